@@ -1,0 +1,71 @@
+"""The built-in CPU backend: PaddlePaddle on the host.
+
+Registered through fd-core's own ``fd.backends`` entry point, exactly like an external backend,
+so the discovery path every vendor relies on is exercised by the default install.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fd_core.interfaces import Capabilities
+from fd_core.plugins import hookimpl
+
+FD_API_VERSION = "1.0"
+
+
+class CpuPlatform:
+    name = "cpu"
+    device_type = "cpu"
+    runtime = "paddle"
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def device_count(self) -> int:
+        return 1
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            dtypes=frozenset({"float32"}),
+            quantization=frozenset(),
+            kv_cache_dtypes=frozenset({"float32"}),
+            graph_capture=False,
+            prefix_caching=False,
+            chunked_prefill=True,
+            collective_library="none",
+            pinned_host_memory=False,
+            device_count=1,
+            memory_query=True,
+        )
+
+    def memory(self, device_index: int = 0):
+        from fd_core.runtimes.paddle import PaddleMemory
+
+        return PaddleMemory("cpu")
+
+    def communicator(self, rank: int = 0, world_size: int = 1):
+        from fd_core.runtimes.paddle import PaddleCommunicator
+
+        return PaddleCommunicator(rank=rank, world_size=world_size)
+
+    def runner_hooks(self):
+        return None
+
+    def describe_devices(self) -> list[str]:
+        return [f"cpu ({os.cpu_count()} cores)"]
+
+
+@hookimpl
+def fd_platforms():
+    return [CpuPlatform()]
+
+
+@hookimpl
+def fd_register_ops(registry):
+    # The Paddle reference ops are this backend's implementation, not a fallback: register
+    # them under the cpu device type so no fallback warning fires for the default install.
+    from fd_core.runtimes.paddle import REFERENCE_OPS
+
+    for op, fn in REFERENCE_OPS.items():
+        registry.register(op, "cpu", fn, name="reference", priority=0)

@@ -1,0 +1,73 @@
+"""EngineConfig: every knob of one engine instance, validated before anything loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fd_core.errors import ConfigError
+from fd_core.interfaces import Capabilities
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Names follow FastDeploy's / vLLM's flags.
+
+    KV-cache size: ``num_kv_blocks`` if given; otherwise ``kv_cache_memory_gb`` GiB on a device
+    whose memory the engine may take as it likes (the CPU; default 2 GiB, capped at half the free
+    RAM); on an accelerator, ``gpu_memory_utilization`` of the device memory minus what the
+    model occupies after a profiling pass (accelerator backends).
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    op_pins: dict[str, str] = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "num_kv_blocks", "tensor_parallel_size"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
+        if not 0 < self.kv_cache_memory_gb:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def check_against(self, backend: str, caps: Capabilities) -> None:
+        """Fail with one sentence naming the flag and the backend, before anything loads."""
+        if self.dtype not in caps.dtypes:
+            raise ConfigError(f"--dtype {self.dtype}: the {backend} backend supports {sorted(caps.dtypes)}")
+        if self.tensor_parallel_size > caps.device_count:
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend sees "
+                f"{caps.device_count} device(s)"
+            )
+        if self.tensor_parallel_size > 1 and caps.collective_library == "none":
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend has no "
+                f"collective library"
+            )
+        if self.enable_chunked_prefill and not caps.chunked_prefill:
+            raise ConfigError(
+                f"--enable-chunked-prefill: the {backend} backend does not support chunked prefill"
+            )

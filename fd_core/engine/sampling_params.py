@@ -1,0 +1,102 @@
+"""SamplingParams: what a request asks of the sampler, validated when it is made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fd_core.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, with vLLM's names and defaults.
+
+    ``temperature=0`` is greedy. ``seed`` makes sampling repeatable whatever else runs in the
+    same batch. ``stop`` strings are not included in the output text; ``stop_token_ids`` and
+    the model's end-of-sequence tokens end generation too (unless ``ignore_eos``).
+    ``logprobs=k`` returns the sampled token's log-probability and the top ``k`` per step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.stop is None:
+            self.stop_strings = ()
+        elif isinstance(self.stop, str):
+            self.stop_strings = (self.stop,)
+        else:
+            self.stop_strings = tuple(self.stop)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+                raise bad(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if integer("n", self.n) < 1:
+            raise bad(f"n must be at least 1, got {self.n}")
+        if number("temperature", self.temperature) < 0 or math.isinf(self.temperature):
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < number("top_p", self.top_p) <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < -1:
+            raise bad(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if not 0 <= number("min_p", self.min_p) <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= number("frequency_penalty", self.frequency_penalty) <= 2:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        rp = number("repetition_penalty", self.repetition_penalty)
+        if not 0 < rp or math.isinf(rp):
+            raise bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= 20:
+            raise bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+                raise bad("stop must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+                raise bad("stop_token_ids must be a list of non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

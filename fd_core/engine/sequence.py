@@ -1,0 +1,73 @@
+"""Sequence: one stream of tokens being generated, and the Request that owns ``n`` of them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from fd_core.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """The unit the scheduler and block pool work on.
+
+    ``num_computed`` counts tokens whose K/V are in the cache. A step computes
+    ``tokens[num_computed : num_computed + k]``; when that reaches the end of ``tokens`` the step
+    also samples the next token. After a preemption by recompute ``num_computed`` goes back to 0
+    and the whole sequence (prompt and generated tokens) is prefilled again.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n outputs
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int  # order of arrival; lower runs first and is preempted last
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    max_tokens: int = 16
+    # detokenizer state
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Any]] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -1,0 +1,155 @@
+"""The ``fd`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from fd_core import __version__
+from fd_core.interfaces import API_VERSION
+
+
+def _platform_row(platform: Any) -> dict[str, Any]:
+    ok, why = platform.is_available()
+    row: dict[str, Any] = {
+        "device_type": platform.device_type,
+        "runtime": platform.runtime,
+        "available": ok,
+        "devices": platform.device_count() if ok else 0,
+    }
+    if not ok:
+        row["unavailable_because"] = why
+    describe = getattr(platform, "describe_devices", None)
+    if ok and describe is not None:
+        row["device_names"] = describe()
+    row["capabilities"] = platform.capabilities().as_dict()
+    return row
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from fd_core.plugins import get_registry
+
+    registry = get_registry()
+    report = []
+    for record in registry.records:
+        entry: dict[str, Any] = {"name": record.name, "package": record.package, "version": record.version}
+        if record.loaded:
+            entry["status"] = "loaded"
+            entry["platforms"] = {p.name: _platform_row(p) for p in record.platforms}
+        else:
+            entry["status"] = "failed"
+            entry["reason"] = record.error
+        report.append(entry)
+    if args.json:
+        print(json.dumps({"api_version": API_VERSION, "backends": report}, indent=2))
+        return 0
+    print(f"fd-core {__version__}, plugin API {API_VERSION}")
+    for entry in report:
+        print(f"\n{entry['name']}  ({entry['package']} {entry['version']})  {entry['status']}")
+        if entry["status"] == "failed":
+            print(f"  reason: {entry['reason']}")
+            continue
+        for name, row in entry["platforms"].items():
+            state = f"{row['devices']} device(s)" if row["available"] else f"unavailable: {row['unavailable_because']}"
+            print(f"  device {name}: type {row['device_type']}, runtime {row['runtime']}, {state}")
+            for dev in row.get("device_names", []):
+                print(f"    - {dev}")
+            caps = row["capabilities"]
+            for key, value in caps.items():
+                shown = ", ".join(value) if isinstance(value, list) else value
+                print(f"    {key}: {shown if shown != '' else '-'}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from fd_core.plugins import get_registry
+
+    registry = get_registry()
+    platform = registry.platform(args.device)
+    table = registry.op_table(platform, {"dtype": args.dtype}, _pins(args.op))
+    print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime})")
+    for op, impl, source, why in table.describe():
+        print(f"  {op:<13} {impl:<20} {source:<16} {why}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fd_core import LLM, SamplingParams
+
+    llm = LLM(model=args.model, device=args.device, max_model_len=args.max_model_len, op_pins=_pins(args.op))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def _pins(items: Sequence[str] | None) -> dict[str, str]:
+    pins = {}
+    for item in items or []:
+        op, sep, name = item.partition("=")
+        if not sep or not op or not name:
+            raise SystemExit(f"fd: --op expects OP=IMPLEMENTATION, got {item!r}")
+        pins[op] = name
+    return pins
+
+
+class _Parser(argparse.ArgumentParser):
+    """Accepts ``--max_model_len`` as well as ``--max-model-len`` (FastDeploy spells flags
+    with underscores, vLLM with dashes)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        fixed = [a.split("=", 1)[0].replace("_", "-") + a[len(a.split("=", 1)[0]):]
+                 if a.startswith("--") else a for a in args]
+        return super().parse_args(fixed, namespace)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fd_core.loader import DEFAULT_MODEL
+
+    parser = _Parser(prog="fd", description="fd: LLM serving on any accelerator")
+    parser.add_argument("--version", action="version", version=f"fd {__version__} (plugin API {API_VERSION})")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list installed backends, their devices and capabilities")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("doctor", help="show which implementation of each op a device would use")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("generate", help="generate one completion offline")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fd_core.errors import FdError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FdError as exc:
+        print(f"fd: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

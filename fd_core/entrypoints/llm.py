@@ -1,0 +1,121 @@
+"""The offline API: ``LLM(model=...).generate(...)`` and ``.chat(...)``, engine in-process."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.engine import LLMEngine
+from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import InvalidRequestError
+from fd_core.loader import DEFAULT_MODEL
+
+PromptLike = str | list[int] | dict[str, Any]
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """Load a model once and generate for many prompts together (continuous batching).
+
+    Keyword arguments are :class:`~fd_core.engine.config.EngineConfig` fields
+    (``device``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_gb``, ``seed``, ``op_pins``...).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or many. A prompt is a string, a list of token ids, or a
+        dict with ``prompt`` or ``prompt_token_ids``. Outputs come back in input order."""
+        items = self._as_list(prompts)
+        return self._run([self._unpack(p) for p in items], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or many, rendered with the model's chat template."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            for m in conv:
+                if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                    raise InvalidRequestError(f"each message needs 'role' and 'content', got {m!r}")
+            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            # the template already placed any BOS it wants
+            prompts.append((text, tok.encode(text, add_special_tokens=False)))
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _as_list(prompts: Any) -> list[Any]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of those")
+        return list(prompts)
+
+    def _unpack(self, prompt: Any) -> tuple[str | None, str | list[int]]:
+        if isinstance(prompt, str):
+            return prompt, prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], prompt["prompt"]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"cannot use {type(prompt).__name__} as a prompt")
+
+    def _run(self, prompts: list[tuple[str | None, str | list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(params)} sampling params for {len(prompts)} prompts; give one or one each"
+                )
+        ids = []
+        try:
+            for (text, prompt), p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p, prompt_text=text)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # nothing half-submitted stays in the engine
+                self.engine.abort_request(rid)
+            raise
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        try:
+            done = self.engine.run(progress=bar)
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]

@@ -1,0 +1,55 @@
+"""Memory: moving arrays between NumPy and a device, and the paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+Tensor = Any  # a tensor of the runtime (paddle.Tensor, torch.Tensor, ...); opaque to the core
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """Owns every allocation on one device.
+
+    KV-cache layout, fixed by the contract so that the engine's block tables mean the same thing
+    on every backend: one ``(key, value)`` pair per layer, each of shape
+    ``[num_blocks * block_size, num_kv_heads, head_dim]``; token slot ``s`` lives in block
+    ``s // block_size`` at offset ``s % block_size``.
+    """
+
+    device: str  # e.g. "cpu", "cuda:0"
+
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Tensor:
+        """Copy a host array to the device, optionally casting (``"float32"``, ``"bfloat16"``...)."""
+        ...
+
+    def to_numpy(self, tensor: Tensor) -> np.ndarray:
+        """Copy a device tensor to a host array (bfloat16 comes back as float32)."""
+        ...
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Zero-filled KV cache in the layout above."""
+        ...
+
+    def copy_blocks(
+        self,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        block_size: int,
+        src_to_dst: Sequence[tuple[int, int]],
+    ) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer, in place."""
+        ...
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of the device; host RAM for the CPU."""
+        ...

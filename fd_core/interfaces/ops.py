@@ -1,0 +1,211 @@
+"""The op contract: names, signatures and semantics of every op a model may call.
+
+An implementation is a plain callable with the signature written in its spec. Tensors are the
+runtime's (``T``); host-side arguments are NumPy arrays or Python scalars. Shapes use
+``N`` = tokens in the step, ``S`` = sequences in the step, ``H`` = hidden size, ``Hq``/``Hk`` =
+query/key-value heads, ``D`` = head size, ``V`` = vocabulary size, ``E`` = experts.
+
+The executable specification of each op is its NumPy reference in ``fd_core.testing.spec``;
+where this text and that code disagree, the code is right and this text is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Tensor = Any
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    signature: str
+    doc: str
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight-only quantized linear weight, canonical layout ``[out, in]`` before packing.
+
+    ``method``: ``"wint8"`` (int8 values, one scale per output row and group) or ``"wint4"``
+    (int4 values in ``[-8, 7]`` stored one per int8, same scales). ``scales`` has shape
+    ``[out, in // group_size]`` (``group_size == -1``: one group spanning ``in``).
+    Dequantized weight = ``qweight * repeat(scales, group_size, axis=1)``.
+    """
+
+    method: str
+    qweight: Tensor
+    scales: Tensor
+    group_size: int = -1
+    shape: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one step sit in the paged KV cache. Built once per step by the model
+    runner and shared by every layer.
+
+    Tokens of a step are laid out sequence after sequence; sequence ``i`` owns query rows
+    ``query_start_loc[i]:query_start_loc[i+1]``. Its first ``context_lens[i]`` tokens are already
+    in the cache (a cached prefix or earlier prefill chunks); the new tokens follow them, so the
+    total length is ``seq_lens[i] = context_lens[i] + query_len``. New token ``j`` of sequence ``i``
+    is at position ``context_lens[i] + j`` and attends causally to positions ``0..that``.
+
+    Host arrays (NumPy, int64): ``query_start_loc [S+1]``, ``seq_lens [S]``, ``context_lens [S]``,
+    ``block_tables [S, max_blocks]`` (padded with 0), ``slot_mapping [N]`` (cache slot of each new
+    token: ``block_tables[i][p // block_size] * block_size + p % block_size``).
+
+    ``device`` is a per-step scratch dict in which an implementation may keep device copies of
+    these arrays, so that the copy happens once per step rather than once per layer.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    block_size: int
+    device: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, host side. Row ``i`` samples from ``logits[i]``.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` or ``>= V`` disables top-k; ``top_p == 1``
+    and ``min_p == 0`` disable theirs. Penalties follow vLLM/OpenAI: ``repetition_penalty`` (1 =
+    off) divides positive and multiplies negative logits of every token seen in the prompt or the
+    output; ``frequency_penalty`` subtracts ``count_in_output * f``; ``presence_penalty`` subtracts
+    ``p`` once for every token present in the output. ``suppress_token_ids[i]`` get ``-inf`` (used
+    for ``min_tokens``). Randomness is drawn from ``numpy.random.default_rng([seeds[i], steps[i]])``
+    only, so a seeded row gives the same token whatever else is in the batch.
+    """
+
+    temperature: np.ndarray  # float32 [S]
+    top_p: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int64 [S]
+    min_p: np.ndarray  # float32 [S]
+    presence_penalty: np.ndarray  # float32 [S]
+    frequency_penalty: np.ndarray  # float32 [S]
+    repetition_penalty: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # int64 [S]
+    steps: np.ndarray  # int64 [S], the index of the token being sampled in its sequence
+    prompt_token_ids: list[np.ndarray]  # per row, for the repetition penalty
+    output_token_ids: list[np.ndarray]  # per row, for all three penalties
+    suppress_token_ids: list[np.ndarray]  # per row
+    num_logprobs: int = 0  # top logprobs to return per row (0: only the sampled token's)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(
+            np.any(self.presence_penalty != 0)
+            or np.any(self.frequency_penalty != 0)
+            or np.any(self.repetition_penalty != 1)
+        )
+
+
+@dataclass
+class SampleOutput:
+    """``token_ids [S]`` int64; ``logprobs [S]`` float32 of the sampled token under the raw
+    (unprocessed) model distribution; ``top_ids``/``top_logprobs [S, num_logprobs]`` the highest
+    raw log-probabilities, best first; ``ranks [S]`` the 1-based rank of the sampled token."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def _spec(name: str, signature: str, doc: str) -> OpSpec:
+    return OpSpec(name=name, signature=signature, doc=doc.strip())
+
+
+OP_SPECS: dict[str, OpSpec] = {
+    s.name: s
+    for s in [
+        _spec(
+            "embedding",
+            "embedding(weight: T[V, H], ids: T[N] int64) -> T[N, H]",
+            "Row lookup: out[n] = weight[ids[n]]. Also used to gather rows of any 2-D tensor.",
+        ),
+        _spec(
+            "rms_norm",
+            "rms_norm(x: T[..., H], weight: T[H], eps: float, residual: T[..., H] | None = None)"
+            " -> T | tuple[T, T]",
+            """
+            y = x / sqrt(mean(x**2, -1) + eps) * weight, computed in float32.
+            With ``residual``: first x = x + residual, then return (y, x) so the caller keeps the
+            summed stream as the next residual.
+            """,
+        ),
+        _spec(
+            "rotary",
+            "rotary(positions: T[N] int64, q: T[N, Hq, D], k: T[N, Hk, D], cos_sin: T[P, R],"
+            " style: str) -> tuple[T, T]",
+            """
+            Rotary position embedding over the first R dims of each head (R <= D, R even); the rest
+            pass through. ``cos_sin[p] = concat(cos(p * inv_freq), sin(p * inv_freq))`` with
+            ``inv_freq`` of length R/2. ``style="neox"`` rotates pairs (i, i + R/2);
+            ``style="interleaved"`` rotates pairs (2i, 2i+1) (GPT-J / ERNIE / GGUF Llama).
+            """,
+        ),
+        _spec(
+            "linear",
+            "linear(x: T[N, in], weight: T[out, in] | QuantizedWeight, bias: T[out] | None = None)"
+            " -> T[N, out]",
+            "y = x @ weight.T + bias. A QuantizedWeight is dequantized as its docstring says.",
+        ),
+        _spec(
+            "silu_and_mul",
+            "silu_and_mul(x: T[N, 2I]) -> T[N, I]",
+            "silu(x[:, :I]) * x[:, I:] (the gate is the first half).",
+        ),
+        _spec(
+            "attention",
+            "attention(q: T[N, Hq, D], k: T[N, Hk, D], v: T[N, Hk, D], kv_cache: tuple[T, T],"
+            " meta: AttentionMetadata, scale: float) -> T[N, Hq, D]",
+            """
+            First writes k[n], v[n] into kv_cache at slot meta.slot_mapping[n] (in place). Then each
+            new token attends causally, softmax(q . K^T * scale) V in float32, over its sequence's
+            cached and new tokens, read back through meta.block_tables. GQA: query head h uses
+            kv head h // (Hq // Hk). One call covers a mixed batch of prefill chunks and decodes.
+            """,
+        ),
+        _spec(
+            "moe",
+            "moe(x: T[N, H], router_weight: T[E, H], gate_up: list[T[2I, H]], down: list[T[H, I]],"
+            " top_k: int, scoring: str = 'softmax', renormalize: bool = True,"
+            " correction_bias: T[E] | None = None) -> T[N, H]",
+            """
+            Router logits r = x @ router_weight.T (float32). Scores s = softmax(r) or sigmoid(r)
+            (``scoring``). Experts chosen by top_k of s + correction_bias (bias only affects the
+            choice); weights are the chosen s, divided by their sum when ``renormalize``.
+            out[n] = sum_e w[n, e] * down[e] @ silu_and_mul(gate_up[e] @ x[n]).
+            """,
+        ),
+        _spec(
+            "sample",
+            "sample(logits: T[S, V], batch: SamplingBatch) -> SampleOutput",
+            """
+            In float32: raw logprobs = log_softmax(logits) (reported); then penalties,
+            suppression, greedy rows take argmax; others divide by temperature, apply top-k, then
+            top-p (smallest set whose probability reaches top_p, always at least one token), then
+            min-p (drop tokens below min_p * max prob), renormalise, and draw with the row's
+            generator: token = argmax(probs / Exponential(1) noise), the noise being
+            ``rng.exponential(size=V)`` from ``numpy.random.default_rng([seed, step])``.
+            """,
+        ),
+    ]
+}

@@ -1,0 +1,41 @@
+"""Platform: one accelerator family as seen by the core."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from fd_core.interfaces.capabilities import Capabilities
+from fd_core.interfaces.communicator import Communicator
+from fd_core.interfaces.memory import Memory
+from fd_core.interfaces.model_runner import ModelRunnerHooks
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """What a backend tells the core about its chip.
+
+    ``name`` is what users type after ``--device``; ``device_type`` keys op registration (two
+    platforms may share one device type, e.g. a vendor fork of cuda); ``runtime`` names the
+    tensor library (``"paddle"``, ``"torch"``) whose reference ops back any op the backend does
+    not implement itself.
+    """
+
+    name: str
+    device_type: str
+    runtime: str
+
+    def is_available(self) -> tuple[bool, str]:
+        """Whether at least one device can be used now; if not, one sentence saying why."""
+        ...
+
+    def device_count(self) -> int: ...
+
+    def capabilities(self) -> Capabilities: ...
+
+    def memory(self, device_index: int = 0) -> Memory: ...
+
+    def communicator(self, rank: int = 0, world_size: int = 1) -> Communicator: ...
+
+    def runner_hooks(self) -> ModelRunnerHooks | None:
+        """Optional per-chip additions to the shared model runner (e.g. graph capture)."""
+        ...

@@ -1,0 +1,35 @@
+"""Contract version and the compatibility rule between a backend and the core."""
+
+API_VERSION = "1.0.0"
+
+
+def _parse(version: str) -> tuple[int, int, int]:
+    parts = str(version).strip().split(".")
+    if not 1 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"not a semantic version: {version!r}")
+    nums = [int(p) for p in parts] + [0] * (3 - len(parts))
+    return nums[0], nums[1], nums[2]
+
+
+def is_compatible(backend_version: str, core_version: str = API_VERSION) -> tuple[bool, str]:
+    """Whether a backend written against ``backend_version`` may load into this core.
+
+    Same major, and the backend's minor no newer than the core's: a minor release only adds to
+    the contract, so an older backend still finds everything it uses. Returns ``(ok, reason)``.
+    """
+    try:
+        b_major, b_minor, _ = _parse(backend_version)
+    except ValueError as exc:
+        return False, str(exc)
+    c_major, c_minor, _ = _parse(core_version)
+    if b_major != c_major:
+        return False, (
+            f"written for fd plugin API {backend_version}, this fd-core speaks {core_version} "
+            f"(major versions differ)"
+        )
+    if b_minor > c_minor:
+        return False, (
+            f"needs fd plugin API {backend_version}, this fd-core only provides {core_version}; "
+            f"upgrade fd-core"
+        )
+    return True, ""

@@ -1,0 +1,126 @@
+"""Rendering a model's own chat template, the way Hugging Face tokenizers do.
+
+Templates ship inside checkpoints we did not write, so they run in Jinja's immutable sandbox.
+The environment mirrors what templates are written against in the wild: ``trim_blocks`` and
+``lstrip_blocks``, loop controls, a ``tojson`` that leaves non-ASCII text alone, the
+``raise_exception`` and ``strftime_now`` globals and the ``{% generation %}`` block tag.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from fd_core.errors import CheckpointError, InvalidRequestError
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; here it only renders."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    # Jinja's own filter HTML-escapes, which would change what the model sees.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def select_template(templates: str | Mapping[str, str] | None, choice: str | None = None, tools: object = None) -> str:
+    """The template to render with.
+
+    ``choice`` names one of several templates a checkpoint ships, or is itself a template (any text
+    with a ``{``). Without it, a checkpoint with named templates uses ``tool_use`` when tools are
+    given, else ``default``, as Hugging Face tokenizers do.
+    """
+    if choice is not None:
+        if isinstance(templates, Mapping) and choice in templates:
+            return templates[choice]
+        if "{" in choice:
+            return choice
+        raise InvalidRequestError(f"The model has no chat template named {choice!r}.")
+    if templates is None:
+        raise InvalidRequestError(
+            "This model has no chat template; send a plain completion request or give it a template."
+        )
+    if isinstance(templates, str):
+        return templates
+    if tools is not None and "tool_use" in templates:
+        return templates["tool_use"]
+    if "default" in templates:
+        return templates["default"]
+    raise InvalidRequestError(
+        f"The model has several chat templates and none is called 'default'; pick one of {sorted(templates)}."
+    )
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    special_tokens: Mapping[str, str | None] | None = None,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render ``messages`` with ``template``.
+
+    ``special_tokens`` (``bos_token``, ``eos_token``...) are visible to the template as variables,
+    and ``kwargs`` override them, as in ``transformers``. Keys whose value is ``None`` are dropped from
+    each message first: OpenAI-style clients send ``content=None`` that templates would print.
+    """
+    if not messages:
+        raise InvalidRequestError("A chat request needs at least one message.")
+    cleaned = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"Each chat message must be a mapping with a role and content, not {message!r}.")
+        cleaned.append({key: value for key, value in message.items() if value is not None})
+    variables = {key: value for key, value in (special_tokens or {}).items() if value is not None}
+    variables.update(kwargs)
+    try:
+        return _compile(template).render(
+            messages=cleaned,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise CheckpointError(f"The model's chat template does not parse: {exc}.") from exc
+    except jinja2.exceptions.TemplateError as exc:
+        raise InvalidRequestError(f"The model's chat template rejected this conversation: {exc}.") from exc

@@ -1,0 +1,22 @@
+"""The tokenizer interface the engine relies on, whatever file the tokenizer came from."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]  # every id that ends generation (eos, eot, im_end...)
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: object
+    ) -> str:
+        """Render a conversation with the model's own chat template."""
+        ...

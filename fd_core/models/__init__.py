@@ -1,0 +1,31 @@
+"""Model definitions, written once for every chip, and the architecture registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fd_core.errors import UnsupportedArchitectureError
+from fd_core.interfaces import Memory
+from fd_core.models.config import ModelConfig
+from fd_core.models.decoder import DecoderForCausalLM, DecoderTraits
+
+# Hugging Face class name -> how to build it. Adding a dense variant is one line here.
+ARCHITECTURES: dict[str, DecoderTraits] = {
+    "LlamaForCausalLM": DecoderTraits(rope_style="neox"),
+    "Qwen3ForCausalLM": DecoderTraits(rope_style="neox", qk_norm=True),
+    "Ernie4_5ForCausalLM": DecoderTraits(rope_style="interleaved"),
+}
+
+
+def build_model(config: ModelConfig, ops: Any, memory: Memory, max_model_len: int,
+                dtype: str = "float32") -> DecoderForCausalLM:
+    traits = ARCHITECTURES.get(config.architecture)
+    if traits is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {config.architecture!r} is not supported; fd supports "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    return DecoderForCausalLM(config, traits, ops, memory, max_model_len, dtype)
+
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "build_model"]

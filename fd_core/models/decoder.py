@@ -1,0 +1,225 @@
+"""The dense decoder-only transformer shared by Llama, Qwen3 and ERNIE 4.5.
+
+Written once for every chip: tensors are touched only through the op table (``self.ops``) and
+the documented subset ``+``, ``*``, slicing, ``.reshape``, ``.shape``, ``.dtype``. The variants
+differ in data, not in code paths per chip: rotary style, per-head q/k norm, biases and tied
+embeddings are properties of the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from fd_core.errors import CheckpointError
+from fd_core.interfaces import AttentionMetadata, Memory
+from fd_core.models.config import ModelConfig
+from fd_core.models.rope import cos_sin_table
+
+Tensor = Any
+
+
+@dataclass(frozen=True)
+class DecoderTraits:
+    """What distinguishes one architecture of this family from another."""
+
+    rope_style: str = "neox"  # "neox" (rotate halves) or "interleaved" (rotate pairs)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+
+
+class Layer:
+    """One decoder layer's weights, fused for fewer op calls: q/k/v into one matrix and
+    gate/up into another (the split is a slice of the output)."""
+
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    gate_up: Tensor
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+    input_norm: Tensor
+    post_norm: Tensor
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+
+
+class DecoderForCausalLM:
+    """A causal LM over the paged KV cache. ``forward`` returns hidden states of every token of
+    the step; ``compute_logits`` projects only the rows that will be sampled."""
+
+    def __init__(self, config: ModelConfig, traits: DecoderTraits, ops: Any, memory: Memory,
+                 max_model_len: int, dtype: str = "float32") -> None:
+        self.config = config
+        self.traits = traits
+        self.ops = ops
+        self.memory = memory
+        self.dtype = dtype
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        partial = float(c.raw.get("partial_rotary_factor", 1.0))
+        self.rotary_dim = int(self.head_dim * partial)
+        self.cos_sin = memory.from_numpy(
+            cos_sin_table(self.rotary_dim, max_model_len, c.rope_theta, c.rope_scaling), "float32"
+        )
+        self.layers: list[Layer] = []
+        self.embed: Tensor = None
+        self.lm_head: Tensor = None
+        self.norm: Tensor = None
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        h, inter = c.hidden_size, c.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "self_attn.q_proj.weight": (self.q_size, h),
+                p + "self_attn.k_proj.weight": (self.kv_size, h),
+                p + "self_attn.v_proj.weight": (self.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, self.q_size),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            })
+            if self.traits.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
+        return shapes
+
+    def optional_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Biases: loaded when the checkpoint has them (``use_bias``, ``attention_bias``...)."""
+        c = self.config
+        shapes: dict[str, tuple[int, ...]] = {}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "self_attn.q_proj.bias": (self.q_size,),
+                p + "self_attn.k_proj.bias": (self.kv_size,),
+                p + "self_attn.v_proj.bias": (self.kv_size,),
+                p + "self_attn.o_proj.bias": (c.hidden_size,),
+                p + "mlp.gate_proj.bias": (c.intermediate_size,),
+                p + "mlp.up_proj.bias": (c.intermediate_size,),
+                p + "mlp.down_proj.bias": (c.hidden_size,),
+            })
+        if c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)  # some tied files carry a copy
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Consume ``(hf_name, [out, in] array)`` pairs, check them, fuse and upload them."""
+        expected, optional = self.expected_shapes(), self.optional_shapes()
+        host: dict[str, np.ndarray] = {}
+        for name, array in weights:
+            want = expected.get(name) or optional.get(name)
+            if want is None:
+                continue  # e.g. rotary_emb.inv_freq buffers: derived, not loaded
+            if tuple(array.shape) != want:
+                raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
+            host[name] = array
+        missing = [n for n in expected if n not in host]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
+        self._upload(host)
+
+    def _upload(self, host: dict[str, np.ndarray]) -> None:
+        up = self._to_device
+        c = self.config
+        self.embed = up(host.pop("model.embed_tokens.weight"))
+        self.norm = up(host.pop("model.norm.weight"), norm=True)
+        lm = host.pop("lm_head.weight", None)
+        self.lm_head = self.embed if (c.tie_word_embeddings or lm is None) else up(lm)
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            get = host.pop
+            layer = Layer()
+            layer.qkv = up(np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            layer.qkv_bias = self._fused_bias([get(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
+            layer.o = up(get(p + "self_attn.o_proj.weight"))
+            layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
+            layer.gate_up = up(np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
+            layer.gate_up_bias = self._fused_bias([get(p + "mlp.gate_proj.bias", None), get(p + "mlp.up_proj.bias", None)])
+            layer.down = up(get(p + "mlp.down_proj.weight"))
+            layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
+            layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
+            layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
+            layer.q_norm = up(get(p + "self_attn.q_norm.weight"), norm=True) if self.traits.qk_norm else None
+            layer.k_norm = up(get(p + "self_attn.k_norm.weight"), norm=True) if self.traits.qk_norm else None
+            self.layers.append(layer)
+
+    def _to_device(self, array: np.ndarray, norm: bool = False) -> Tensor:
+        # norms stay in float32 whatever the compute dtype: they are tiny and precision-critical
+        return self.memory.from_numpy(np.ascontiguousarray(array), "float32" if norm else self.dtype)
+
+    def _fused_bias(self, parts: list[np.ndarray | None]) -> Tensor | None:
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise CheckpointError("checkpoint has biases for some fused projections but not all")
+        return self._to_device(np.concatenate(parts))  # type: ignore[arg-type]
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                meta: AttentionMetadata) -> Tensor:
+        ops, eps = self.ops, self.config.rms_norm_eps
+        n = input_ids.shape[0]
+        hidden = ops.embedding(self.embed, input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = hidden
+                x = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            hidden = self._attention(layer, x, positions, kv_cache, meta, n)
+            x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+            gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
+            hidden = ops.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+        hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
+        return hidden
+
+    def _attention(self, layer: Layer, x: Tensor, positions: Tensor, kv_cache: tuple[Tensor, Tensor],
+                   meta: AttentionMetadata, n: int) -> Tensor:
+        ops, eps = self.ops, self.config.rms_norm_eps
+        qkv = ops.linear(x, layer.qkv, layer.qkv_bias)
+        q = qkv[:, : self.q_size].reshape([n, self.num_heads, self.head_dim])
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].reshape([n, self.num_kv_heads, self.head_dim])
+        v = qkv[:, self.q_size + self.kv_size :].reshape([n, self.num_kv_heads, self.head_dim])
+        if self.traits.qk_norm:
+            q = ops.rms_norm(q, layer.q_norm, eps)
+            k = ops.rms_norm(k, layer.k_norm, eps)
+        q, k = ops.rotary(positions, q, k, self.cos_sin, self.traits.rope_style)
+        out = ops.attention(q, k, v, kv_cache, meta, self.scale)
+        return ops.linear(out.reshape([n, self.q_size]), layer.o, layer.o_bias)
+
+    def compute_logits(self, hidden: Tensor, row_indices: Tensor) -> Tensor:
+        """Logits ``[len(row_indices), V]`` of the selected rows, in float32."""
+        rows = self.ops.embedding(hidden, row_indices)  # embedding is exactly a row gather
+        return self.ops.linear(rows, self.lm_head)
+
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        yield "embed", self.embed
+        for i, layer in enumerate(self.layers):
+            for key, value in vars(layer).items():
+                if value is not None:
+                    yield f"layers.{i}.{key}", value

@@ -1,0 +1,163 @@
+"""Op registration and the once-per-start-up selection of an op table."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from fd_core.errors import ConfigError
+from fd_core.interfaces import OP_SPECS
+
+log = logging.getLogger("fd.ops")
+
+Supports = Callable[..., bool]
+
+
+def _always(**_: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    op: str
+    device_type: str
+    name: str
+    fn: Callable[..., Any]
+    priority: int = 0
+    supports: Supports = _always
+    source: str = ""  # the package that registered it
+
+    def accepts(self, context: Mapping[str, Any]) -> tuple[bool, str]:
+        try:
+            ok = bool(self.supports(**context))
+        except Exception as exc:  # a buggy predicate must not take start-up down
+            return False, f"supports() raised {type(exc).__name__}: {exc}"
+        return ok, "" if ok else "supports() declined this configuration"
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    impl: OpImpl
+    reason: str
+
+
+class OpRegistry:
+    """Every implementation any plugin registered, keyed by ``(op, device_type)``.
+
+    A runtime's reference ops are kept apart, keyed by runtime name: they are the fallback for
+    any device that runtime can address.
+    """
+
+    def __init__(self) -> None:
+        self._impls: dict[tuple[str, str], list[OpImpl]] = {}
+        self._references: dict[str, dict[str, Callable[..., Any]]] = {}
+        self._current_source = ""
+
+    def register(
+        self,
+        op: str,
+        device_type: str,
+        fn: Callable[..., Any],
+        *,
+        name: str,
+        priority: int = 0,
+        supports: Supports | None = None,
+    ) -> None:
+        if op not in OP_SPECS:
+            raise ValueError(f"unknown op {op!r}; the contract defines {sorted(OP_SPECS)}")
+        impl = OpImpl(op, device_type, name, fn, priority, supports or _always, self._current_source)
+        self._impls.setdefault((op, device_type), []).append(impl)
+
+    def register_reference(self, runtime: str, table: Mapping[str, Callable[..., Any]]) -> None:
+        unknown = set(table) - set(OP_SPECS)
+        if unknown:
+            raise ValueError(f"unknown ops in the {runtime} reference table: {sorted(unknown)}")
+        self._references[runtime] = dict(table)
+
+    def implementations(self, op: str, device_type: str) -> list[OpImpl]:
+        return sorted(self._impls.get((op, device_type), []), key=lambda i: -i.priority)
+
+    def select(
+        self,
+        device_type: str,
+        runtime: str,
+        context: Mapping[str, Any] | None = None,
+        pins: Mapping[str, str] | None = None,
+    ) -> "OpTable":
+        """Choose one implementation per op: the pinned one, else the highest-priority one whose
+        ``supports(**context)`` accepts, else the runtime's reference (with a warning)."""
+        context = dict(context or {})
+        pins = dict(pins or {})
+        unknown = set(pins) - set(OP_SPECS)
+        if unknown:
+            raise ConfigError(f"--op names unknown ops {sorted(unknown)}; known: {sorted(OP_SPECS)}")
+        reference = self._references.get(runtime, {})
+        choices: dict[str, Choice] = {}
+        for op in OP_SPECS:
+            candidates = self.implementations(op, device_type)
+            ref_impl = (
+                OpImpl(op, device_type, "reference", reference[op], -(10**9), _always, runtime)
+                if op in reference
+                else None
+            )
+            if op in pins:
+                wanted = pins[op]
+                pool = candidates + ([ref_impl] if ref_impl else [])
+                match = [c for c in pool if c.name == wanted]
+                if not match:
+                    names = sorted({c.name for c in pool})
+                    raise ConfigError(
+                        f"--op {op}={wanted}: no implementation named {wanted!r} for device "
+                        f"type {device_type!r}; available: {names}"
+                    )
+                choices[op] = Choice(op, match[0], "pinned by the user")
+                continue
+            declined = []
+            for impl in candidates:
+                ok, why = impl.accepts(context)
+                if ok:
+                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config")
+                    break
+                declined.append(f"{impl.name}: {why}")
+            else:
+                if ref_impl is None:
+                    continue  # reported by OpTable.missing(); only fatal if a model calls it
+                reason = "no implementation registered for this device type"
+                if declined:
+                    reason = "every registered implementation declined (" + "; ".join(declined) + ")"
+                log.warning("op %s on %s: falling back to the %s reference: %s", op, device_type, runtime, reason)
+                choices[op] = Choice(op, ref_impl, f"fallback to the {runtime} reference: {reason}")
+        return OpTable(device_type, runtime, choices)
+
+
+@dataclass
+class OpTable:
+    """The ops a model calls: ``ops.linear(x, w)``. Chosen once; never re-decided per call."""
+
+    device_type: str
+    runtime: str
+    choices: dict[str, Choice] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for op, choice in self.choices.items():
+            setattr(self, op, choice.impl.fn)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for ops without a choice
+        if name in OP_SPECS:
+            raise ConfigError(
+                f"op {name!r} has no implementation for device type {self.device_type!r} and the "
+                f"{self.runtime} runtime has no reference for it"
+            )
+        raise AttributeError(name)
+
+    def missing(self) -> list[str]:
+        return [op for op in OP_SPECS if op not in self.choices]
+
+    def describe(self) -> list[tuple[str, str, str, str]]:
+        """``(op, implementation, registered by, why)`` rows, for ``fd doctor`` and logs."""
+        rows = [(op, c.impl.name, c.impl.source, c.reason) for op, c in self.choices.items()]
+        rows += [(op, "-", "-", "missing") for op in self.missing()]
+        return rows

@@ -1,0 +1,182 @@
+"""Backend discovery: entry points, the ``FD_BACKENDS`` allowlist, the API-version check, and a
+report of every backend that failed to load and why."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, Iterable
+
+import pluggy
+
+from fd_core.errors import BackendError
+from fd_core.interfaces import API_VERSION, Platform, is_compatible
+from fd_core.plugins import hookspecs
+from fd_core.plugins.ops import OpRegistry
+
+log = logging.getLogger("fd.plugins")
+
+ENTRY_POINT_GROUP = "fd.backends"
+ALLOWLIST_ENV = "FD_BACKENDS"
+
+# Runtimes ship inside fd-core; a backend names one by key, or by module path for its own.
+RUNTIMES = {"paddle": "fd_core.runtimes.paddle", "torch": "fd_core.runtimes.torch"}
+
+
+@dataclass
+class BackendRecord:
+    """One installed backend package as discovery saw it."""
+
+    name: str  # entry-point name
+    package: str  # distribution name
+    version: str  # distribution version
+    module: Any = None
+    platforms: list[Platform] = field(default_factory=list)
+    error: str = ""  # why it could not be used; empty when it loaded
+
+    @property
+    def loaded(self) -> bool:
+        return not self.error
+
+
+def _call(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
+    # pluggy lets an implementation take fewer arguments than the spec; honour that here too,
+    # since hooks are called one plugin at a time to attribute results and failures.
+    return impl.function(*[kwargs[name] for name in impl.argnames])
+
+
+class BackendRegistry:
+    """Discovers backends once and answers which platforms and op implementations exist."""
+
+    def __init__(self, entry_points: Iterable[metadata.EntryPoint] | None = None) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.ops = OpRegistry()
+        self.records: list[BackendRecord] = []
+        self._load(list(entry_points) if entry_points is not None else self._entry_points())
+
+    @staticmethod
+    def _entry_points() -> list[metadata.EntryPoint]:
+        found = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        # one distribution can be visible twice (e.g. an editable install plus a path entry)
+        unique: dict[tuple[str, str], metadata.EntryPoint] = {}
+        for ep in found:
+            unique.setdefault((ep.name, ep.value), ep)
+        return sorted(unique.values(), key=lambda ep: ep.name)
+
+    def _load(self, entry_points: list[metadata.EntryPoint]) -> None:
+        allow = os.environ.get(ALLOWLIST_ENV, "").strip()
+        allowed = {n.strip() for n in allow.split(",") if n.strip()} if allow else None
+        for ep in entry_points:
+            dist = getattr(ep, "dist", None)
+            record = BackendRecord(
+                name=ep.name,
+                package=dist.metadata["Name"] if dist else "?",
+                version=dist.version if dist else "?",
+            )
+            self.records.append(record)
+            if allowed is not None and ep.name not in allowed:
+                record.error = f"not loaded: not in {ALLOWLIST_ENV}={allow}"
+                continue
+            try:
+                module = ep.load()
+            except BaseException as exc:  # noqa: BLE001 - a broken plugin must never stop the core
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                record.error = f"import failed: {type(exc).__name__}: {exc}"
+                log.warning("backend %s (%s) failed to load: %s", ep.name, record.package, record.error)
+                continue
+            declared = getattr(module, "FD_API_VERSION", None)
+            if declared is None:
+                record.error = "does not declare FD_API_VERSION; cannot tell which fd plugin API it implements"
+                continue
+            ok, why = is_compatible(str(declared), API_VERSION)
+            if not ok:
+                record.error = f"incompatible: {why}"
+                log.warning("backend %s (%s) skipped: %s", ep.name, record.package, record.error)
+                continue
+            record.module = module
+            try:
+                self.pm.register(module, name=ep.name)
+            except Exception as exc:
+                record.error = f"invalid hook implementation: {exc}"
+                continue
+            self._collect(record)
+
+    def _collect(self, record: BackendRecord) -> None:
+        impls = {i.plugin_name: i for i in self.pm.hook.fd_platforms.get_hookimpls()}
+        try:
+            if record.name in impls:
+                platforms = _call(impls[record.name]) or []
+                record.platforms = list(platforms) if isinstance(platforms, (list, tuple)) else [platforms]
+            op_impls = {i.plugin_name: i for i in self.pm.hook.fd_register_ops.get_hookimpls()}
+            if record.name in op_impls:
+                self.ops._current_source = record.package
+                try:
+                    _call(op_impls[record.name], registry=self.ops)
+                finally:
+                    self.ops._current_source = ""
+        except Exception as exc:
+            record.error = f"hook failed: {type(exc).__name__}: {exc}"
+            record.platforms = []
+            log.warning("backend %s (%s) failed: %s", record.name, record.package, record.error)
+            self.pm.unregister(name=record.name)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def platforms(self) -> list[Platform]:
+        return [p for r in self.records if r.loaded for p in r.platforms]
+
+    def failures(self) -> list[BackendRecord]:
+        return [r for r in self.records if not r.loaded]
+
+    def platform(self, device: str = "auto") -> Platform:
+        """Resolve ``--device``: a platform name, or ``auto`` (the first available accelerator,
+        else cpu). The error names what is installed, what is available and what failed."""
+        platforms = self.platforms()
+        if device == "auto":
+            usable = [p for p in platforms if p.is_available()[0]]
+            accel = [p for p in usable if p.name != "cpu"]
+            if accel or usable:
+                return (accel or usable)[0]
+            raise BackendError("no usable backend: " + self._summary())
+        for p in platforms:
+            if p.name == device:
+                ok, why = p.is_available()
+                if not ok:
+                    raise BackendError(f"--device {device}: the backend is installed but unusable: {why}")
+                return p
+        failed = [r for r in self.failures() if r.name == device]
+        if failed:
+            raise BackendError(f"--device {device}: the backend failed to load: {failed[0].error}")
+        raise BackendError(f"--device {device}: no such backend; {self._summary()}")
+
+    def _summary(self) -> str:
+        names = [p.name for p in self.platforms()] or ["none"]
+        text = "installed backends: " + ", ".join(names)
+        if self.failures():
+            text += "; failed: " + "; ".join(f"{r.name} ({r.error})" for r in self.failures())
+        return text
+
+    def reference_ops(self, runtime: str) -> dict[str, Callable[..., Any]]:
+        module = importlib.import_module(RUNTIMES.get(runtime, runtime))
+        return dict(module.REFERENCE_OPS)
+
+    def op_table(self, platform: Platform, context: dict[str, Any] | None = None,
+                 pins: dict[str, str] | None = None):
+        self.ops.register_reference(platform.runtime, self.reference_ops(platform.runtime))
+        return self.ops.select(platform.device_type, platform.runtime, context, pins)
+
+
+_registry: BackendRegistry | None = None
+
+
+def get_registry(refresh: bool = False) -> BackendRegistry:
+    """The process-wide registry; discovery runs once unless ``refresh``."""
+    global _registry
+    if _registry is None or refresh:
+        _registry = BackendRegistry()
+    return _registry

@@ -1,0 +1,7 @@
+"""The Paddle runtime: reference ops, memory and collectives. The one package that imports paddle."""
+
+from fd_core.runtimes.paddle.communicator import PaddleCommunicator
+from fd_core.runtimes.paddle.memory import PaddleMemory
+from fd_core.runtimes.paddle.ops import REFERENCE_OPS
+
+__all__ = ["REFERENCE_OPS", "PaddleCommunicator", "PaddleMemory"]

@@ -1,0 +1,91 @@
+"""PaddleMemory: the Memory protocol on one Paddle device."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+import paddle
+
+from fd_core.runtimes.paddle.ops import put_rows, take_rows
+
+Tensor = paddle.Tensor
+
+
+def _host_memory() -> tuple[int, int]:
+    """``(available, total)`` host RAM in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+class PaddleMemory:
+    """Allocations on ``device`` (``"cpu"``, ``"gpu:0"``, ``"cuda:0"``, ``"xpu:0"``, a custom
+    device such as ``"npu:0"``...)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.place = paddle.device.device_to_place(device.replace("cuda", "gpu"))
+
+    def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Tensor:
+        # NumPy has no bfloat16: upload as is and let Paddle cast on the device.
+        tensor = paddle.to_tensor(np.ascontiguousarray(array), place=self.place)
+        if dtype is not None and tensor.dtype != getattr(paddle, dtype):
+            tensor = tensor.astype(dtype)
+        return tensor
+
+    def to_numpy(self, tensor: Tensor) -> np.ndarray:
+        if tensor.dtype == paddle.bfloat16:
+            tensor = tensor.astype(paddle.float32)
+        return tensor.numpy()
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> list[tuple[Tensor, Tensor]]:
+        shape = [num_blocks * block_size, num_kv_heads, head_dim]
+        return [
+            (
+                paddle.zeros(shape, dtype=dtype, device=self.place),
+                paddle.zeros(shape, dtype=dtype, device=self.place),
+            )
+            for _ in range(num_layers)
+        ]
+
+    def copy_blocks(
+        self,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        block_size: int,
+        src_to_dst: Sequence[tuple[int, int]],
+    ) -> None:
+        if not len(src_to_dst):
+            return
+        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
+        offsets = np.arange(block_size, dtype=np.int64)
+        src = paddle.to_tensor((pairs[:, :1] * block_size + offsets).reshape(-1), place=self.place)
+        dst = paddle.to_tensor((pairs[:, 1:] * block_size + offsets).reshape(-1), place=self.place)
+        for key, value in kv_caches:
+            # Gather every source before writing, so a block that is both a source and a
+            # destination is read as it was before the call.
+            for cache in (key, value):
+                put_rows(cache, dst, take_rows(cache, src))
+
+    def memory_info(self) -> tuple[int, int]:
+        if isinstance(self.place, paddle.CPUPlace):
+            return _host_memory()
+        if isinstance(self.place, paddle.CUDAPlace):
+            index = self.place.get_device_id()
+            total = paddle.device.cuda.get_device_properties(index).total_memory
+            # Paddle exposes no cudaMemGetInfo; what its allocator holds is what others cannot use.
+            return total - paddle.device.cuda.memory_reserved(index), total
+        raise NotImplementedError(f"memory_info is not available for device {self.device!r}")

@@ -1,0 +1,512 @@
+"""The Paddle reference implementation of every op in ``fd_core.interfaces.ops``.
+
+Float32 math on whatever device the tensors live on; tensors of other dtypes are cast in and
+their results cast back. Host-side work is limited to metadata (built once per step and cached
+in ``AttentionMetadata.device``) and to what the contract puts on the host: the per-row noise of
+``sample`` and MoE token grouping. ``REFERENCE_OPS`` maps op name to function; a backend uses it
+for every op it does not implement itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from fd_core.interfaces.ops import AttentionMetadata, QuantizedWeight, SampleOutput, SamplingBatch
+
+Tensor = paddle.Tensor
+_F32 = paddle.float32
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x if x.dtype == _F32 else x.astype(_F32)
+
+
+def _to(x: Tensor, dtype: paddle.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _upload(array: np.ndarray, place: paddle.Place) -> Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(array), place=place)
+
+
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` along the first axis, for every dtype."""
+    # CPU Paddle has no float16 gather kernel; indexing covers it, about 50x slower.
+    if x.dtype == paddle.float16 and x.place.is_cpu_place():
+        return x[index]
+    return paddle.gather(x, index)
+
+
+def put_rows(x: Tensor, index: Tensor, rows: Tensor) -> None:
+    """``x[index] = rows`` in place, for every dtype."""
+    # scatter_ is the fastest in-place write, but CPU Paddle registers it for 32/64-bit types only.
+    if x.dtype in (paddle.float32, paddle.float64):
+        paddle.scatter_(x, index, _to(rows, x.dtype))
+    else:
+        paddle.index_put_(x, (index,), _to(rows, x.dtype))
+
+
+def embedding(weight: Tensor, ids: Tensor) -> Tensor:
+    return take_rows(weight, ids)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    h = _f32(x)
+    if residual is not None:
+        h = h + _f32(residual)
+    y = h * paddle.rsqrt(paddle.mean(h * h, axis=-1, keepdim=True) + eps) * _f32(weight)
+    if residual is None:
+        return _to(y, x.dtype)
+    return _to(y, x.dtype), _to(h, x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    rot = cos.shape[-1] * 2
+    h = _f32(x)
+    part = h if rot == h.shape[-1] else h[..., :rot]
+    if style == "neox":
+        a, b = paddle.chunk(part, 2, axis=-1)
+        out = paddle.concat([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    elif style == "interleaved":
+        pairs = part.reshape([*part.shape[:-1], rot // 2, 2])
+        a, b = pairs[..., 0], pairs[..., 1]
+        out = paddle.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        out = out.reshape(part.shape)
+    else:
+        raise ValueError(f"unknown rotary style {style!r}")
+    if rot != h.shape[-1]:
+        out = paddle.concat([out, h[..., rot:]], axis=-1)
+    return _to(out, x.dtype)
+
+
+def rotary(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor, style: str
+) -> tuple[Tensor, Tensor]:
+    cs = _f32(take_rows(cos_sin, positions)).unsqueeze(1)  # [N, 1, R]
+    cos, sin = paddle.chunk(cs, 2, axis=-1)
+    return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
+
+
+def dequantize(weight: QuantizedWeight, dtype: paddle.dtype = _F32) -> Tensor:
+    """The ``[out, in]`` matrix a QuantizedWeight stands for, in ``dtype``."""
+    if weight.method not in ("wint8", "wint4"):
+        raise ValueError(f"unknown quantization method {weight.method!r}")
+    q = _f32(weight.qweight)
+    scales = _f32(weight.scales)
+    out_features, in_features = q.shape
+    if weight.group_size == -1 or weight.group_size == in_features:
+        w = q * scales
+    else:
+        groups = in_features // weight.group_size
+        w = q.reshape([out_features, groups, weight.group_size]) * scales.unsqueeze(-1)
+        w = w.reshape([out_features, in_features])
+    return _to(w, dtype)
+
+
+def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantize(weight, x.dtype)
+    y = paddle.matmul(x, weight, transpose_y=True)
+    return y if bias is None else y + bias
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    # swiglu splits its single input into (gate, up) halves, exactly this op, in one kernel.
+    return F.swiglu(x)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    slots: Tensor  # [T] cache slots of the whole sequence
+    bias: Tensor | None  # [L, T] additive causal mask; None when L == 1 (sees everything)
+
+
+@dataclass
+class _AttentionPlan:
+    """Device copies of one step's metadata, shared by every layer."""
+
+    slot_mapping: Tensor
+    decode_rows: Tensor | None  # [Sd] query rows of the decodes; None when they are all rows
+    decode_slots: Tensor | None  # [Sd * Lmax] cache slots, padded with slot 0
+    decode_bias: Tensor | None  # [Sd, 1, 1, Lmax] 0 / -inf; None when nothing is padded
+    decode_len: int
+    num_decodes: int
+    prefills: list[_Prefill]
+    order: Tensor | None  # rows of concat(decodes, prefills) in token order; None if identity
+
+
+def _slots(meta: AttentionMetadata, seq: int, length: int) -> np.ndarray:
+    pos = np.arange(length)
+    bs = meta.block_size
+    return meta.block_tables[seq][pos // bs] * bs + pos % bs
+
+
+def _build_plan(meta: AttentionMetadata, place: paddle.Place) -> _AttentionPlan:
+    qsl = meta.query_start_loc
+    query_lens = np.diff(qsl)
+    decodes = np.flatnonzero(query_lens == 1)
+    prefills = np.flatnonzero(query_lens > 1)
+    num_rows = int(qsl[-1])
+
+    decode_rows = decode_slots = decode_bias = None
+    decode_len = 0
+    if len(decodes):
+        lens = meta.seq_lens[decodes]
+        decode_len = int(lens.max())
+        slots = np.zeros((len(decodes), decode_len), dtype=np.int64)
+        for j, seq in enumerate(decodes):
+            slots[j, : lens[j]] = _slots(meta, seq, int(lens[j]))
+        decode_slots = _upload(slots.reshape(-1), place)
+        if np.any(lens != decode_len):
+            pad = np.arange(decode_len)[None, :] >= lens[:, None]
+            bias = np.where(pad, -np.inf, 0.0).astype(np.float32)
+            decode_bias = _upload(bias[:, None, None, :], place)
+        if len(decodes) != num_rows:
+            decode_rows = _upload(qsl[decodes], place)
+
+    plans = []
+    for seq in prefills:
+        start, end = int(qsl[seq]), int(qsl[seq + 1])
+        context, total = int(meta.context_lens[seq]), int(meta.seq_lens[seq])
+        query_pos = context + np.arange(end - start)
+        hidden = np.arange(total)[None, :] > query_pos[:, None]
+        bias = _upload(np.where(hidden, -np.inf, 0.0).astype(np.float32), place)
+        plans.append(_Prefill(start, end, _upload(_slots(meta, seq, total), place), bias))
+
+    # Outputs are computed decodes first, then prefills in order; `order` puts rows back.
+    produced = np.concatenate(
+        [qsl[decodes]] + [np.arange(qsl[s], qsl[s + 1]) for s in prefills]
+    ).astype(np.int64)
+    order = None
+    if not np.array_equal(produced, np.arange(num_rows)):
+        inverse = np.empty(num_rows, dtype=np.int64)
+        inverse[produced] = np.arange(num_rows)
+        order = _upload(inverse, place)
+
+    return _AttentionPlan(
+        slot_mapping=_upload(meta.slot_mapping.astype(np.int64), place),
+        decode_rows=decode_rows,
+        decode_slots=decode_slots,
+        decode_bias=decode_bias,
+        decode_len=decode_len,
+        num_decodes=len(decodes),
+        prefills=plans,
+        order=order,
+    )
+
+
+def _plan(meta: AttentionMetadata, place: paddle.Place) -> _AttentionPlan:
+    key = f"paddle.attention@{place}"
+    plan = meta.device.get(key)
+    if plan is None:
+        plan = meta.device[key] = _build_plan(meta, place)
+    return plan
+
+
+def _decode_attention(
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, plan: _AttentionPlan, scale: float
+) -> Tensor:
+    """All single-token queries at once, over their caches padded to the longest."""
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    n, length = plan.num_decodes, plan.decode_len
+    rows = q if plan.decode_rows is None else paddle.gather(q, plan.decode_rows)
+    query = (rows * scale).reshape([n, num_kv_heads, -1, head_dim])  # [Sd, Hk, G, D]
+
+    def cached(cache: Tensor) -> Tensor:
+        kv = _f32(take_rows(cache, plan.decode_slots))
+        return kv.reshape([n, length, num_kv_heads, head_dim]).transpose([0, 2, 1, 3])
+
+    scores = paddle.matmul(query, cached(key_cache), transpose_y=True)  # [Sd, Hk, G, Lmax]
+    if plan.decode_bias is not None:
+        scores = scores + plan.decode_bias
+    out = paddle.matmul(F.softmax(scores, axis=-1), cached(value_cache))
+    return out.reshape([n, -1, head_dim])
+
+
+def _prefill_attention(
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: _Prefill, scale: float
+) -> Tensor:
+    """One sequence's new tokens over its context and themselves."""
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    length = p.end - p.start
+    # Rows ordered (token, group) inside each kv head, so the [L, T] mask broadcasts per token.
+    query = (q[p.start : p.end] * scale).reshape([length, num_kv_heads, -1, head_dim])
+    group = query.shape[2]
+    query = query.transpose([1, 0, 2, 3]).reshape([num_kv_heads, length * group, head_dim])
+    keys = _f32(take_rows(key_cache, p.slots)).transpose([1, 0, 2])  # [Hk, T, D]
+    values = _f32(take_rows(value_cache, p.slots)).transpose([1, 0, 2])
+    scores = paddle.matmul(query, keys, transpose_y=True)  # [Hk, L*G, T]
+    scores = scores.reshape([num_kv_heads, length, group, -1])
+    if p.bias is not None:
+        scores = scores + p.bias.unsqueeze(1)
+    probs = F.softmax(scores, axis=-1).reshape([num_kv_heads, length * group, -1])
+    out = paddle.matmul(probs, values).reshape([num_kv_heads, length, group, head_dim])
+    return out.transpose([1, 0, 2, 3]).reshape([length, -1, head_dim])
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: tuple[Tensor, Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    key_cache, value_cache = kv_cache
+    plan = _plan(meta, key_cache.place)
+    put_rows(key_cache, plan.slot_mapping, k)
+    put_rows(value_cache, plan.slot_mapping, v)
+
+    query = _f32(q)
+    pieces = []
+    if plan.num_decodes:
+        pieces.append(_decode_attention(query, key_cache, value_cache, plan, scale))
+    for p in plan.prefills:
+        pieces.append(_prefill_attention(query, key_cache, value_cache, p, scale))
+    out = pieces[0] if len(pieces) == 1 else paddle.concat(pieces, axis=0)
+    if plan.order is not None:
+        out = paddle.gather(out, plan.order)
+    return _to(out, q.dtype)
+
+
+# --- moe ---------------------------------------------------------------------------------------
+
+
+def route(
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(expert_ids [N, top_k], weights [N, top_k])`` of ``moe``'s router, best first."""
+    logits = paddle.matmul(_f32(x), _f32(router_weight), transpose_y=True)
+    if scoring == "softmax":
+        scores = F.softmax(logits, axis=-1)
+    elif scoring == "sigmoid":
+        scores = F.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown moe scoring {scoring!r}")
+    choice = scores if correction_bias is None else scores + _f32(correction_bias)
+    _, ids = paddle.topk(choice, top_k, axis=-1)
+    weights = paddle.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / paddle.sum(weights, axis=-1, keepdim=True)
+    return ids, weights
+
+
+def moe(
+    x: Tensor,
+    router_weight: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: Tensor | None = None,
+) -> Tensor:
+    ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
+    h = _f32(x)
+    # Group (token, slot) pairs by expert on the host, so each expert runs one matmul.
+    flat = ids.numpy().reshape(-1)
+    by_expert = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[by_expert], return_index=True)
+    bounds = list(starts) + [len(flat)]
+    flat_weights = weights.reshape([-1, 1])
+    outputs, rows = [], []
+    for j, e in enumerate(experts):
+        pairs = by_expert[bounds[j] : bounds[j + 1]]
+        tokens = _upload(pairs // top_k, h.place)
+        hidden = linear(paddle.gather(h, tokens), _f32_weight(gate_up[e]))
+        y = linear(silu_and_mul(hidden), _f32_weight(down[e]))
+        outputs.append(y * paddle.gather(flat_weights, _upload(pairs, h.place)))
+        rows.append(pairs // top_k)
+    index = _upload(np.concatenate(rows), h.place)
+    out = paddle.zeros(h.shape, dtype=_F32).index_add_(index, 0, paddle.concat(outputs))
+    return _to(out, x.dtype)
+
+
+def _f32_weight(w: Tensor | QuantizedWeight) -> Tensor | QuantizedWeight:
+    return w if isinstance(w, QuantizedWeight) else _f32(w)
+
+
+# --- sample ------------------------------------------------------------------------------------
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition, then frequency and presence penalties (float32 ``[S, V]`` in and out).
+
+    Only the token ids travel to the device; counts and per-token factors are scattered there.
+    """
+    num_rows, vocab = logits.shape
+    place = logits.place
+    out_flat = np.concatenate(
+        [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.output_token_ids)]
+        or [np.zeros(0, np.int64)]
+    )
+    prompt_flat = np.concatenate(
+        [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.prompt_token_ids)]
+        or [np.zeros(0, np.int64)]
+    )
+    ids, counts = np.unique(out_flat, return_counts=True)
+    seen = np.union1d(ids, prompt_flat)
+
+    def dense(index: np.ndarray, values: np.ndarray, fill: float) -> Tensor:
+        base = paddle.full([num_rows * vocab], fill, dtype=_F32)
+        if len(index):
+            base = paddle.scatter(base, _upload(index, place), _upload(values, place))
+        return base.reshape([num_rows, vocab])
+
+    factor = dense(seen, batch.repetition_penalty[seen // vocab].astype(np.float32), 1.0)
+    count = dense(ids, counts.astype(np.float32), 0.0)
+    # Unseen tokens have factor 1, so both branches leave them exactly as they were.
+    x = paddle.where(logits > 0, logits / factor, logits * factor)
+    freq = _upload(batch.frequency_penalty.astype(np.float32)[:, None], place)
+    presence = _upload(batch.presence_penalty.astype(np.float32)[:, None], place)
+    return x - freq * count - presence * (count > 0).astype(_F32)
+
+
+def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
+    num_rows, vocab = x.shape
+    flat = [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.suppress_token_ids)]
+    index = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
+    if not len(index):
+        return x
+    values = paddle.full([len(index)], float("-inf"), dtype=_F32)
+    out = paddle.scatter(x.reshape([-1]), _upload(index, x.place), values)
+    return out.reshape([num_rows, vocab])
+
+
+def _row_sum(x: Tensor) -> Tensor:
+    """Row sums of a float32 ``[S, V]`` as ``[S, 1]``.
+
+    CPU Paddle reduces a row sequentially: over a 50k vocabulary that loses ~1e-5 (visible in
+    logprobs and at the top-p edge) and is slow for several rows. Summing blocks of 256 with a
+    BLAS matmul first is both accurate and fast; integer counts stay exact.
+    """
+    rows, n = x.shape
+    block = math.gcd(n, 256)
+    ones = paddle.ones([block, 1], dtype=x.dtype, device=x.place)
+    partial = paddle.matmul(x.reshape([-1, block]), ones)
+    return paddle.sum(partial.reshape([rows, -1]), axis=-1, keepdim=True)
+
+
+def _filtered_probs(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
+    """Probabilities of the non-greedy ``rows`` after temperature, top-k, top-p and min-p."""
+    place = x.place
+    vocab = x.shape[1]
+    column = lambda a: _upload(a[rows].astype(np.float32)[:, None], place)  # noqa: E731
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.
+    z = (x - paddle.max(x, axis=-1, keepdim=True)) / column(batch.temperature)
+
+    top_k = batch.top_k[rows]
+    limited = (top_k > 0) & (top_k < vocab)
+    if limited.any():
+        best, _ = paddle.topk(z, int(top_k[limited].max()), axis=-1)
+        kth = paddle.take_along_axis(
+            best, _upload(np.where(limited, top_k - 1, 0)[:, None], place), axis=-1
+        )
+        kth = paddle.where(_upload(limited[:, None], place), kth, paddle.full_like(kth, -np.inf))
+        z = paddle.where(z >= kth, z, paddle.full_like(z, -np.inf))
+    weights = paddle.exp(z)
+    probs = weights / _row_sum(weights)
+
+    top_p = batch.top_p[rows]
+    if (top_p < 1).any():
+        ordered = paddle.sort(probs, axis=-1, descending=True)
+        before = paddle.concat(
+            [paddle.zeros([len(rows), 1], dtype=_F32), paddle.cumsum(ordered, axis=-1)[:, :-1]],
+            axis=-1,
+        )
+        keep = _row_sum((before < column(batch.top_p)).astype(_F32))
+        last = paddle.clip(keep, min=1).astype(paddle.int64) - 1
+        edge = paddle.take_along_axis(ordered, last, axis=-1)
+        # Rows without top-p get edge 0, which keeps every token.
+        edge = paddle.where(_upload((top_p < 1)[:, None], place), edge, paddle.zeros_like(edge))
+        probs = paddle.where(probs >= edge, probs, paddle.zeros_like(probs))
+
+    if (batch.min_p[rows] > 0).any():
+        floor = column(batch.min_p) * paddle.max(probs, axis=-1, keepdim=True)
+        probs = paddle.where(probs >= floor, probs, paddle.zeros_like(probs))
+    return probs / _row_sum(probs)
+
+
+def _noise(batch: SamplingBatch, rows: np.ndarray, vocab: int) -> np.ndarray:
+    return np.stack(
+        [
+            np.random.default_rng([int(batch.seeds[i]), int(batch.steps[i])])
+            .exponential(size=vocab)
+            .astype(np.float32)
+            for i in rows
+        ]
+    )
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    raw = _f32(logits)
+    num_rows, vocab = raw.shape
+    greedy = batch.temperature == 0
+
+    x = apply_penalties(raw, batch) if batch.needs_penalties else raw
+    if any(len(t) for t in batch.suppress_token_ids):
+        x = _suppress(x, batch)
+
+    if greedy.all():  # the common fast path: no sorting, no noise, no host round trip
+        tokens = paddle.argmax(x, axis=-1, keepdim=True)
+    else:
+        rows = np.flatnonzero(~greedy)
+        sub = x if len(rows) == num_rows else paddle.gather(x, _upload(rows, x.place))
+        probs = _filtered_probs(sub, batch, rows)
+        noise = _upload(_noise(batch, rows, vocab), x.place)
+        host = np.zeros(num_rows, dtype=np.int64)
+        host[rows] = paddle.argmax(probs / noise, axis=-1).numpy()
+        if greedy.any():
+            host[greedy] = paddle.argmax(x, axis=-1).numpy()[greedy]
+        tokens = _upload(host[:, None], x.place)
+
+    # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU.
+    shift = paddle.max(raw, axis=-1, keepdim=True)
+    lse = shift + paddle.log(_row_sum(paddle.exp(raw - shift)))
+    chosen = paddle.take_along_axis(raw, tokens, axis=-1)
+    # Ranked on raw logits: the order of the logprobs, with no rounding in between.
+    ranks = _row_sum((raw >= chosen).astype(_F32))
+    if batch.num_logprobs > 0:
+        top_values, top_ids = paddle.topk(raw, batch.num_logprobs, axis=-1)
+        top_ids_host = top_ids.numpy().astype(np.int64)
+        top_logprobs = (top_values - lse).numpy()
+    else:
+        top_ids_host = np.zeros((num_rows, 0), dtype=np.int64)
+        top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
+    return SampleOutput(
+        token_ids=tokens.numpy().reshape(-1).astype(np.int64),
+        logprobs=(chosen - lse).numpy().reshape(-1),
+        ranks=ranks.numpy().reshape(-1).astype(np.int64),
+        top_ids=top_ids_host,
+        top_logprobs=top_logprobs,
+    )
+
+
+REFERENCE_OPS: dict[str, Callable] = {
+    "embedding": embedding,
+    "rms_norm": rms_norm,
+    "rotary": rotary,
+    "linear": linear,
+    "silu_and_mul": silu_and_mul,
+    "attention": attention,
+    "moe": moe,
+    "sample": sample,
+}

@@ -1,0 +1,277 @@
+"""The executable specification of every op in ``fd_core.interfaces.ops``, in NumPy.
+
+Each function has the op's name and signature, with NumPy arrays in place of tensors (the KV cache
+is a ``(key, value)`` pair of arrays, written in place; a QuantizedWeight holds arrays). They favour
+being obviously right over being fast: loops over sequences, rows and experts are kept where they
+mirror the text of the contract. Backends are tested against these functions with ``TOLERANCES``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fd_core.interfaces.ops import AttentionMetadata, QuantizedWeight, SampleOutput, SamplingBatch
+
+# Per-op tolerances (for np.testing.assert_allclose) of a float32 implementation against this
+# specification. Lookups and integer outputs are exact; reductions may differ in summation order.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "embedding": {"rtol": 0.0, "atol": 0.0},
+    "rms_norm": {"rtol": 1e-5, "atol": 1e-5},
+    "rotary": {"rtol": 1e-5, "atol": 1e-5},
+    "linear": {"rtol": 1e-4, "atol": 1e-4},
+    "silu_and_mul": {"rtol": 1e-5, "atol": 1e-6},
+    "attention": {"rtol": 1e-4, "atol": 1e-5},
+    "moe": {"rtol": 1e-4, "atol": 1e-4},
+    "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
+}
+
+
+def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def embedding(weight: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    return weight[ids]
+
+
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray, eps: float, residual: np.ndarray | None = None
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    dtype = x.dtype
+    h = x.astype(np.float32)
+    if residual is not None:
+        h = h + residual.astype(np.float32)
+    y = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * weight.astype(np.float32)
+    if residual is None:
+        return y.astype(dtype)
+    return y.astype(dtype), h.astype(dtype)
+
+
+def rotary(
+    positions: np.ndarray, q: np.ndarray, k: np.ndarray, cos_sin: np.ndarray, style: str
+) -> tuple[np.ndarray, np.ndarray]:
+    rot = cos_sin.shape[1]
+    half = rot // 2
+    cos = cos_sin[positions, :half][:, None, :].astype(np.float32)  # [N, 1, R/2]
+    sin = cos_sin[positions, half:][:, None, :].astype(np.float32)
+
+    def apply(x: np.ndarray) -> np.ndarray:
+        out = x.astype(np.float32).copy()
+        if style == "neox":
+            first, second = np.arange(half), np.arange(half, rot)
+        elif style == "interleaved":
+            first, second = np.arange(0, rot, 2), np.arange(1, rot, 2)
+        else:
+            raise ValueError(f"unknown rotary style {style!r}")
+        a, b = out[..., first], out[..., second]
+        out[..., first] = a * cos - b * sin
+        out[..., second] = b * cos + a * sin
+        return out.astype(x.dtype)
+
+    return apply(q), apply(k)
+
+
+def dequantize(weight: QuantizedWeight) -> np.ndarray:
+    """The float32 ``[out, in]`` matrix a QuantizedWeight stands for."""
+    if weight.method not in ("wint8", "wint4"):
+        raise ValueError(f"unknown quantization method {weight.method!r}")
+    q = weight.qweight.astype(np.float32)
+    group = q.shape[1] if weight.group_size == -1 else weight.group_size
+    return q * np.repeat(weight.scales.astype(np.float32), group, axis=1)
+
+
+def linear(
+    x: np.ndarray, weight: np.ndarray | QuantizedWeight, bias: np.ndarray | None = None
+) -> np.ndarray:
+    w = dequantize(weight) if isinstance(weight, QuantizedWeight) else weight.astype(np.float32)
+    y = x.astype(np.float32) @ w.T
+    if bias is not None:
+        y = y + bias.astype(np.float32)
+    return y.astype(x.dtype)
+
+
+def silu_and_mul(x: np.ndarray) -> np.ndarray:
+    inter = x.shape[-1] // 2
+    h = x.astype(np.float32)
+    return (_silu(h[..., :inter]) * h[..., inter:]).astype(x.dtype)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    kv_cache: tuple[np.ndarray, np.ndarray],
+    meta: AttentionMetadata,
+    scale: float,
+) -> np.ndarray:
+    key_cache, value_cache = kv_cache
+    key_cache[meta.slot_mapping] = k.astype(key_cache.dtype)
+    value_cache[meta.slot_mapping] = v.astype(value_cache.dtype)
+
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    bs = meta.block_size
+    out = np.zeros(q.shape, dtype=np.float32)
+    for i in range(meta.num_seqs):
+        start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+        if end == start:
+            continue
+        context, total = int(meta.context_lens[i]), int(meta.seq_lens[i])
+        pos = np.arange(total)
+        slots = meta.block_tables[i][pos // bs] * bs + pos % bs
+        # query head h reads kv head h // group
+        keys = np.repeat(key_cache[slots].astype(np.float32), group, axis=1)  # [T, Hq, D]
+        values = np.repeat(value_cache[slots].astype(np.float32), group, axis=1)
+        query = q[start:end].astype(np.float32)  # [L, Hq, D]
+        scores = np.einsum("lhd,thd->hlt", query, keys) * scale
+        query_pos = context + np.arange(end - start)
+        visible = pos[None, :] <= query_pos[:, None]  # [L, T]
+        probs = _softmax(np.where(visible, scores, -np.inf))
+        out[start:end] = np.einsum("hlt,thd->lhd", probs, values)
+    return out.astype(q.dtype)
+
+
+def route(
+    x: np.ndarray,
+    router_weight: np.ndarray,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The router of ``moe``: ``(expert_ids [N, top_k], weights [N, top_k])``, best first.
+
+    Ties between experts go to the lower expert id.
+    """
+    logits = x.astype(np.float32) @ router_weight.astype(np.float32).T
+    if scoring == "softmax":
+        scores = _softmax(logits)
+    elif scoring == "sigmoid":
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        raise ValueError(f"unknown moe scoring {scoring!r}")
+    choice = scores if correction_bias is None else scores + correction_bias.astype(np.float32)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / np.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def moe(
+    x: np.ndarray,
+    router_weight: np.ndarray,
+    gate_up: list[np.ndarray],
+    down: list[np.ndarray],
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: np.ndarray | None = None,
+) -> np.ndarray:
+    ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
+    out = np.zeros(x.shape, dtype=np.float32)
+    for n in range(x.shape[0]):
+        for e, w in zip(ids[n], weights[n]):
+            h = linear(x[n : n + 1].astype(np.float32), gate_up[e])
+            out[n] += w * linear(silu_and_mul(h), down[e])[0]
+    return out.astype(x.dtype)
+
+
+def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """Repetition, then frequency and presence penalties, as vLLM applies them."""
+    out = logits.astype(np.float32).copy()
+    vocab = out.shape[1]
+    for i in range(out.shape[0]):
+        counts = np.bincount(batch.output_token_ids[i], minlength=vocab)[:vocab]
+        seen = counts > 0
+        seen[batch.prompt_token_ids[i]] = True
+        r = np.float32(batch.repetition_penalty[i])
+        row = out[i]
+        row = np.where(seen, np.where(row > 0, row / r, row * r), row)
+        row = row - np.float32(batch.frequency_penalty[i]) * counts.astype(np.float32)
+        row = row - np.float32(batch.presence_penalty[i]) * (counts > 0).astype(np.float32)
+        out[i] = row
+    return out
+
+
+def filtered_probs(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray:
+    """The distribution one non-greedy row draws from (float32 ``[V]``, sums to 1).
+
+    Temperature, then top-k (every token at least as likely as the k-th best; ties at the edge
+    stay), then top-p (the most likely tokens until their mass before a token reaches ``top_p``:
+    the smallest such set, widened to every token tied with its least likely member), then min-p
+    (tokens with probability below ``min_p * max_prob`` go).
+    """
+    vocab = logits.shape[0]
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.
+    z = (logits - np.max(logits)) / np.float32(temperature)
+    if 0 < top_k < vocab:
+        kth = np.sort(z)[::-1][top_k - 1]
+        z = np.where(z >= kth, z, -np.inf)
+    probs = _softmax(z).astype(np.float32)
+    if top_p < 1:
+        ordered = np.sort(probs)[::-1]
+        mass_before = np.concatenate([[0.0], np.cumsum(ordered)[:-1]]).astype(np.float32)
+        keep = max(1, int(np.sum(mass_before < np.float32(top_p))))
+        probs = np.where(probs >= ordered[keep - 1], probs, 0.0).astype(np.float32)
+    if min_p > 0:
+        probs = np.where(probs >= np.float32(min_p) * np.max(probs), probs, 0.0)
+    return (probs / np.sum(probs)).astype(np.float32)
+
+
+def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
+    """Token choice, then the raw logprob, rank and top logprobs of each row.
+
+    A non-greedy row draws ``token = argmax(probs / noise)`` with
+    ``noise = numpy.random.default_rng([seed, step]).exponential(size=V)`` cast to float32: the
+    exponential race, which picks token ``t`` with probability ``probs[t]``. The rank of the sampled
+    token is the number of tokens whose raw logprob is at least its own (vLLM's count, so ties
+    share the worse rank), counted on the raw float32 logits, which have the same order without the
+    rounding of the log-softmax. ``top_ids`` ties go to the lower id.
+    """
+    scores = logits.astype(np.float32)
+    raw = _log_softmax(scores).astype(np.float32)
+    num_rows, vocab = logits.shape
+    x = apply_penalties(logits, batch)
+    for i, ids in enumerate(batch.suppress_token_ids):
+        x[i, ids] = -np.inf
+
+    tokens = np.zeros(num_rows, dtype=np.int64)
+    for i in range(num_rows):
+        if batch.temperature[i] == 0:
+            tokens[i] = np.argmax(x[i])
+            continue
+        probs = filtered_probs(
+            x[i],
+            float(batch.temperature[i]),
+            int(batch.top_k[i]),
+            float(batch.top_p[i]),
+            float(batch.min_p[i]),
+        )
+        rng = np.random.default_rng([int(batch.seeds[i]), int(batch.steps[i])])
+        noise = rng.exponential(size=vocab).astype(np.float32)
+        tokens[i] = np.argmax(probs / noise)
+
+    rows = np.arange(num_rows)
+    chosen = raw[rows, tokens]
+    ranks = np.sum(scores >= scores[rows, tokens][:, None], axis=1).astype(np.int64)
+    top_ids = np.argsort(-scores, axis=1, kind="stable")[:, : batch.num_logprobs].astype(np.int64)
+    return SampleOutput(
+        token_ids=tokens,
+        logprobs=chosen.astype(np.float32),
+        ranks=ranks,
+        top_ids=top_ids,
+        top_logprobs=np.take_along_axis(raw, top_ids, axis=1).astype(np.float32),
+    )

@@ -1,0 +1,116 @@
+"""Discovery, the allowlist, the API-version check, op selection and `fd backends`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fd_core.errors import BackendError, ConfigError
+from fd_core.interfaces import Capabilities, is_compatible
+from fd_core.plugins import BackendRegistry, OpRegistry
+from tests.plugins import fake_dists
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def site(tmp_path, monkeypatch):
+    """A site folder with a broken backend, an old-API backend and a working toy backend."""
+    site = tmp_path / "site"
+    fake_dists.install(site, "fd-backend-broken", "fd_backend_broken", fake_dists.BROKEN, "broken")
+    fake_dists.install(site, "fd-backend-oldapi", "fd_backend_oldapi", fake_dists.OLD_API, "oldapi", "0.3.0")
+    fake_dists.install(site, "fd-backend-toy", "fd_backend_toy", fake_dists.EXTRA_OP, "toy")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("FD_BACKENDS", raising=False)
+    yield site
+    for mod in ("fd_backend_broken", "fd_backend_oldapi", "fd_backend_toy"):
+        sys.modules.pop(mod, None)
+
+
+def test_version_rule():
+    assert is_compatible("1.0")[0]
+    assert is_compatible("1.0.7", "1.2.0")[0]
+    ok, why = is_compatible("1.3", "1.2.0")
+    assert not ok and "upgrade fd-core" in why
+    ok, why = is_compatible("2.0", "1.2.0")
+    assert not ok and "major" in why
+    assert not is_compatible("banana")[0]
+
+
+def test_capabilities_are_immutable_and_checked():
+    caps = Capabilities(dtypes={"float32", "bfloat16"}, device_count=2)
+    assert isinstance(caps.dtypes, frozenset)
+    with pytest.raises(Exception):
+        caps.dtypes = frozenset()  # type: ignore[misc]
+    assert caps.unsupported(dtypes="bfloat16", device_count=2) == []
+    assert caps.unsupported(dtypes="float16", graph_capture=True, device_count=4) == [
+        "dtypes=float16", "graph_capture=True", "device_count=4"]
+
+
+def test_failures_are_reported_and_cpu_keeps_working(site):
+    reg = BackendRegistry()
+    by_name = {r.name: r for r in reg.records}
+    assert by_name["cpu"].loaded
+    assert "import failed" in by_name["broken"].error and "libvendor_runtime.so" in by_name["broken"].error
+    assert by_name["broken"].package == "fd-backend-broken"
+    assert "incompatible" in by_name["oldapi"].error and "0.3" in by_name["oldapi"].error
+    assert reg.platform("cpu").name == "cpu"
+    with pytest.raises(BackendError, match="failed to load.*libvendor"):
+        reg.platform("broken")
+    with pytest.raises(BackendError, match="no such backend.*installed backends: cpu, toy"):
+        reg.platform("nonexistent")
+
+
+def test_allowlist(site, monkeypatch):
+    monkeypatch.setenv("FD_BACKENDS", "cpu")
+    reg = BackendRegistry()
+    assert [p.name for p in reg.platforms()] == ["cpu"]
+    assert "not in FD_BACKENDS" in {r.name: r for r in reg.records}["toy"].error
+
+
+def test_out_of_tree_op_wins_others_fall_back(site, caplog):
+    reg = BackendRegistry()
+    toy = reg.platform("toy")
+    with caplog.at_level("WARNING", logger="fd.ops"):
+        table = reg.op_table(toy, {"dtype": "float32"})
+    rows = {op: (impl, why) for op, impl, _, why in table.describe()}
+    assert rows["silu_and_mul"][0] == "toy-silu"
+    # rms_norm's registered impl declines float32, so the reference is used and a warning logged
+    assert rows["rms_norm"][0] == "reference" and "declined" in rows["rms_norm"][1]
+    assert rows["attention"][0] == "reference" and "fallback" in rows["attention"][1]
+    assert any("attention" in r.getMessage() for r in caplog.records)
+    pinned = reg.op_table(toy, {"dtype": "float32"}, {"silu_and_mul": "reference"})
+    assert {op: impl for op, impl, _, _ in pinned.describe()}["silu_and_mul"] == "reference"
+    with pytest.raises(ConfigError, match="no implementation named 'fast'"):
+        reg.op_table(toy, {}, {"attention": "fast"})
+    with pytest.raises(ConfigError, match="unknown ops"):
+        reg.op_table(toy, {}, {"flash": "x"})
+
+
+def test_registering_an_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="unknown op"):
+        OpRegistry().register("conv2d", "cpu", lambda x: x, name="x")
+
+
+def test_fd_backends_cli_reports_everything(site):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    env.pop("FD_BACKENDS", None)
+    out = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends", "--json"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = {b["name"]: b for b in json.loads(out.stdout)["backends"]}
+    cpu = report["cpu"]["platforms"]["cpu"]
+    assert report["cpu"]["status"] == "loaded" and cpu["available"] and cpu["devices"] == 1
+    assert "float32" in cpu["capabilities"]["dtypes"]
+    assert report["broken"]["status"] == "failed" and "libvendor_runtime.so" in report["broken"]["reason"]
+    assert report["oldapi"]["status"] == "failed" and "incompatible" in report["oldapi"]["reason"]
+    text = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert text.returncode == 0
+    assert "device cpu: type cpu, runtime paddle, 1 device(s)" in text.stdout
+    assert "reason: import failed" in text.stdout
