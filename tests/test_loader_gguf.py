@@ -268,3 +268,19 @@ def test_not_a_gguf(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="junk.gguf"):
         load_checkpoint(path)
+
+
+def test_missing_metadata_key(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "nometa.gguf"), "llama")
+    writer.add_embedding_length(32)
+    writer.add_head_count(4)
+    writer.add_vocab_size(8)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="llama.feed_forward_length"):
+        load_checkpoint(tmp_path / "nometa.gguf")

@@ -236,6 +236,7 @@ BATCHES = {
     "chunked": [(5, 4), (12, 6)],
     "decode": [(6, 1), (1, 1), (17, 1)],
     "mixed": [(0, 5), (9, 1), (4, 3), (20, 1), (0, 1), (33, 2)],
+    "long": [(0, 150), (37, 70), (100, 1)],
 }
 
 
@@ -243,7 +244,9 @@ BATCHES = {
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_attention(batch, block_size, heads, head_dim):
+@pytest.mark.parametrize("chunk", [3, pd_ops.PREFILL_CHUNK])
+def test_attention(batch, block_size, heads, head_dim, chunk, monkeypatch):
+    monkeypatch.setattr(pd_ops, "PREFILL_CHUNK", chunk)  # prefills split into several chunks
     rng = np.random.default_rng(block_size * head_dim + heads[0])
     num_q, num_kv = heads
     meta, (key_cache, value_cache) = build_step(rng, BATCHES[batch], block_size, num_kv, head_dim)

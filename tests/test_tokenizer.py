@@ -39,7 +39,19 @@ def hf_smollm2():
     from transformers import AutoTokenizer
 
     path = checkpoints.smollm2_gguf()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers' GGUF converter drops SmolLM2's digit split; restore the original tokenizer.json's
+    # pre-tokenizer (Digits + ByteLevel) so the oracle is the model's real tokenizer
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return tok
+
+
+def test_smollm2_splits_digits_like_llama_cpp(smollm2):
+    # llama.cpp's "smollm" pre-tokenizer isolates every digit before GPT-2's regex
+    assert smollm2.encode("Hello  12", add_special_tokens=False) == [19556, 256, 33, 34]
+    assert smollm2.encode("2024", add_special_tokens=False) == [34, 32, 34, 36]
 
 
 def test_protocol(smollm2):
@@ -195,3 +207,13 @@ def test_sandbox_blocks_internals():
 def test_empty_conversation():
     with pytest.raises(InvalidRequestError, match="at least one message"):
         _tokenizer("x").apply_chat_template([])
+
+
+@pytest.mark.oracle
+def test_pre_tokenizer_table_matches_transformers():
+    """Byte-level GGUF vocabularies split text by tokenizer.ggml.pre exactly where transformers does."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    from fd_core.loader import gguf_loader
+
+    assert gguf_loader._SPLITS == mapping.GGUF_PRE_TOKENIZER_SPLITS
+    assert "smollm" not in gguf_loader._SPLITS

@@ -17,7 +17,9 @@ from fd_core.errors import CheckpointError, ModelNotFoundError, UnsupportedArchi
 from fd_core.loader.tokenizer_api import Tokenizer
 from fd_core.models.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM"})
+from fd_core.models import ARCHITECTURES, weight_shapes  # noqa: E402
+
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(ARCHITECTURES)
 
 # Other spellings of a supported architecture found in published config files.
 _ALIASES = {
@@ -88,38 +90,6 @@ class Checkpoint:
         )
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every weight ``config`` implies, in Hugging Face naming, with its ``[out, in]`` shape."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_out = config.num_attention_heads * config.head_dim
-    kv_out = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
-    for layer in range(config.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
-        attn = {"q_proj": (q_out, hidden), "k_proj": (kv_out, hidden), "v_proj": (kv_out, hidden)}
-        for proj, shape in attn.items():
-            shapes[f"{prefix}self_attn.{proj}.weight"] = shape
-            if config.attention_bias:
-                shapes[f"{prefix}self_attn.{proj}.bias"] = (shape[0],)
-        shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_out)
-        if config.o_bias:
-            shapes[f"{prefix}self_attn.o_proj.bias"] = (hidden,)
-        if config.architecture == "Qwen3ForCausalLM":
-            shapes[f"{prefix}self_attn.q_norm.weight"] = (config.head_dim,)
-            shapes[f"{prefix}self_attn.k_norm.weight"] = (config.head_dim,)
-        mlp = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
-        for proj, shape in mlp.items():
-            shapes[f"{prefix}mlp.{proj}.weight"] = shape
-            if config.mlp_bias:
-                shapes[f"{prefix}mlp.{proj}.bias"] = (shape[0],)
-        shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
-
-
 def select_weights(
     config: ModelConfig,
     found: Mapping[str, Sequence[int]],
@@ -130,7 +100,7 @@ def select_weights(
     Extra tensors (rotary caches, multi-token-prediction heads...) are left out.
     """
     names = []
-    for name, shape in expected_shapes(config).items():
+    for name, shape in weight_shapes(config).items():
         if name not in found:
             raise CheckpointError(f"{path} lacks the weight {name} that a {config.architecture} needs.")
         if tuple(found[name]) != shape:

@@ -55,9 +55,8 @@ _PER_LAYER = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
-# Pre-tokenizer split patterns for byte-level vocabularies, by tokenizer.ggml.pre. Only the
-# patterns transformers also applies are listed: for any other value (SmolLM2's "smollm" among them)
-# transformers keeps GPT-2's ByteLevel regex, and so do we, to tokenize as it does.
+# Pre-tokenizer split patterns for byte-level vocabularies, by tokenizer.ggml.pre. Any value not
+# listed here or in _DIGITS_FIRST keeps GPT-2's ByteLevel regex.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -66,13 +65,50 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_TEKKEN_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _SPLITS = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
         _LLAMA3_SPLIT,
     ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
+
+
+# Vocabularies trained with every digit its own pre-token (StarCoder's family, SmolLM2 among them):
+# llama.cpp isolates each digit before GPT-2's regex, as the original tokenizer.json does. transformers'
+# GGUF converter (5.23) does not, and so differs on whitespace before a digit ("Hello  12"); we follow
+# the model's own tokenizer.
+_DIGITS_FIRST = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"})
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
@@ -112,9 +148,14 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any], b
     def key(name: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{name}", default)
 
+    def need(name: str) -> Any:
+        if f"{arch}.{name}" not in metadata:
+            raise KeyError(name)
+        return metadata[f"{arch}.{name}"]
+
     try:
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
+        hidden = int(need("embedding_length"))
+        heads = int(need("attention.head_count"))
         kv_heads = key("attention.head_count_kv", heads)
         head_dim = key("attention.key_length") or (key("rope.dimension_count") if arch == "llama" else None)
         tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -126,8 +167,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any], b
             architecture=architecture,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=int(need("block_count")),
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim or hidden // heads),
@@ -254,8 +295,13 @@ def gguf_tokenizer(reader: Any, metadata: dict[str, Any], path: Path) -> TextTok
                 fuse_unk=False,
             )
         )
-        split = _SPLITS.get(metadata.get("tokenizer.ggml.pre"))
-        if split is None:
+        pre = metadata.get("tokenizer.ggml.pre")
+        split = _SPLITS.get(pre)
+        if pre in _DIGITS_FIRST:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+            )
+        elif split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
             backend.pre_tokenizer = pre_tokenizers.Sequence(

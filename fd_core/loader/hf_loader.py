@@ -13,7 +13,10 @@ from fd_core.errors import CheckpointError
 from fd_core.loader.checkpoint import Checkpoint, canonical_architecture, select_weights
 from fd_core.loader.safetensors_io import SafetensorsSet
 from fd_core.loader.tokenizer import (
+    BYTE,
     CONTROL,
+    NORMAL,
+    UNKNOWN,
     TextTokenizer,
     add_plain_tokens,
     add_special_tokens,
@@ -180,11 +183,21 @@ def chat_templates(folder: Path, tokenizer_config: Mapping[str, Any]) -> str | d
     return None
 
 
+def _piece_kind(processor: Any, index: int) -> int:
+    if processor.is_control(index):
+        return CONTROL
+    if processor.is_unknown(index):
+        return UNKNOWN
+    if processor.is_byte(index):
+        return BYTE
+    return NORMAL
+
+
 def sentencepiece_file(path: Path) -> Tokenizer:
     """A ``tokenizer.model`` (sentencepiece BPE) as the equivalent ``tokenizers`` pipeline."""
     try:
         from sentencepiece import sentencepiece_model_pb2
-    except ImportError:  # protobuf missing: the processor API gives all but the model type
+    except ImportError:  # no protobuf: the processor API lacks the model type and user-defined pieces
         sentencepiece_model_pb2 = None
     if sentencepiece_model_pb2 is not None:
         proto = sentencepiece_model_pb2.ModelProto()
@@ -201,10 +214,7 @@ def sentencepiece_file(path: Path) -> Tokenizer:
 
         processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
         tokens = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-        kinds = [
-            CONTROL if processor.is_control(i) else 2 if processor.is_unknown(i) else 6 if processor.is_byte(i) else 1
-            for i in range(len(tokens))
-        ]
+        kinds = [_piece_kind(processor, i) for i in range(len(tokens))]
     # transformers orders the recovered merges by token id here, not by score.
     return sentencepiece_bpe(tokens, kinds)
 

@@ -17,15 +17,24 @@ ARCHITECTURES: dict[str, DecoderTraits] = {
 }
 
 
-def build_model(config: ModelConfig, ops: Any, memory: Memory, max_model_len: int,
-                dtype: str = "float32") -> DecoderForCausalLM:
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model of ``config`` loads, HF-named, with its ``[out, in]`` shape."""
+    return _traits(config).weight_shapes(config)
+
+
+def _traits(config: ModelConfig) -> DecoderTraits:
     traits = ARCHITECTURES.get(config.architecture)
     if traits is None:
         raise UnsupportedArchitectureError(
             f"architecture {config.architecture!r} is not supported; fd supports "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    return DecoderForCausalLM(config, traits, ops, memory, max_model_len, dtype)
+    return traits
 
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "build_model"]
+def build_model(config: ModelConfig, ops: Any, memory: Memory, max_model_len: int,
+                dtype: str = "float32") -> DecoderForCausalLM:
+    return DecoderForCausalLM(config, _traits(config), ops, memory, max_model_len, dtype)
+
+
+__all__ = ["ARCHITECTURES", "ModelConfig", "build_model", "weight_shapes"]

@@ -31,7 +31,8 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v projections
     o_bias: bool = False  # bias on the output projection
     mlp_bias: bool = False
-    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling / rope_parameters, minus theta
+    # HF rope_scaling / rope_parameters, minus theta; a dict, so left out of the hash
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # dtype the checkpoint was stored in

@@ -28,6 +28,34 @@ class DecoderTraits:
     rope_style: str = "neox"  # "neox" (rotate halves) or "interleaved" (rotate pairs)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
 
+    def weight_shapes(self, c: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """HF name -> ``[out, in]`` shape of every weight; biases where the config has them."""
+        h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
+        q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
+                if c.attention_bias:
+                    shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q)
+            if c.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+                shapes[f"{p}mlp.{proj}_proj.weight"] = shape
+                if c.mlp_bias:
+                    shapes[f"{p}mlp.{proj}_proj.bias"] = (shape[0],)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes["model.norm.weight"] = (h,)
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        return shapes
+
 
 class Layer:
     """One decoder layer's weights, fused for fewer op calls: q/k/v into one matrix and
@@ -77,58 +105,12 @@ class DecoderForCausalLM:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        c = self.config
-        h, inter = c.hidden_size, c.intermediate_size
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (c.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes.update({
-                p + "self_attn.q_proj.weight": (self.q_size, h),
-                p + "self_attn.k_proj.weight": (self.kv_size, h),
-                p + "self_attn.v_proj.weight": (self.kv_size, h),
-                p + "self_attn.o_proj.weight": (h, self.q_size),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            })
-            if self.traits.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-                shapes[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-        return shapes
-
-    def optional_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Biases: loaded when the checkpoint has them (``use_bias``, ``attention_bias``...)."""
-        c = self.config
-        shapes: dict[str, tuple[int, ...]] = {}
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes.update({
-                p + "self_attn.q_proj.bias": (self.q_size,),
-                p + "self_attn.k_proj.bias": (self.kv_size,),
-                p + "self_attn.v_proj.bias": (self.kv_size,),
-                p + "self_attn.o_proj.bias": (c.hidden_size,),
-                p + "mlp.gate_proj.bias": (c.intermediate_size,),
-                p + "mlp.up_proj.bias": (c.intermediate_size,),
-                p + "mlp.down_proj.bias": (c.hidden_size,),
-            })
-        if c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)  # some tied files carry a copy
-        return shapes
-
     def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
         """Consume ``(hf_name, [out, in] array)`` pairs, check them, fuse and upload them."""
-        expected, optional = self.expected_shapes(), self.optional_shapes()
+        expected = self.traits.weight_shapes(self.config)
         host: dict[str, np.ndarray] = {}
         for name, array in weights:
-            want = expected.get(name) or optional.get(name)
+            want = expected.get(name)
             if want is None:
                 continue  # e.g. rotary_emb.inv_freq buffers: derived, not loaded
             if tuple(array.shape) != want:

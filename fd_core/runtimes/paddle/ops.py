@@ -124,14 +124,23 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 # --- attention ---------------------------------------------------------------------------------
+#
+# The cache is read by gathering rows of a ``[slots * Hk, D]`` view in (kv head, token) order, so
+# every operand reaches its matmul contiguous: on CPU, Paddle's matmul over a transposed view is
+# an order of magnitude slower than the gather that avoids it.
+
+
+# Prefill queries go in chunks of this many tokens, each over only the keys it can see: that
+# skips most of the masked upper triangle and keeps the temporaries small.
+PREFILL_CHUNK = 64
 
 
 @dataclass
-class _Prefill:
-    start: int
+class _Chunk:
+    start: int  # query rows start:end of the step
     end: int
-    slots: Tensor  # [T] cache slots of the whole sequence
-    bias: Tensor | None  # [L, T] additive causal mask; None when L == 1 (sees everything)
+    rows: Tensor  # [Hk * T'] rows of the [slots * Hk, D] cache view for the T' visible tokens
+    bias: Tensor  # [L', G, T'] additive causal mask, 0 or -inf
 
 
 @dataclass
@@ -139,52 +148,60 @@ class _AttentionPlan:
     """Device copies of one step's metadata, shared by every layer."""
 
     slot_mapping: Tensor
-    decode_rows: Tensor | None  # [Sd] query rows of the decodes; None when they are all rows
-    decode_slots: Tensor | None  # [Sd * Lmax] cache slots, padded with slot 0
-    decode_bias: Tensor | None  # [Sd, 1, 1, Lmax] 0 / -inf; None when nothing is padded
-    decode_len: int
     num_decodes: int
-    prefills: list[_Prefill]
+    decode_len: int  # the longest decode sequence; the others are padded to it
+    decode_queries: Tensor | None  # [Sd] query rows of the decodes; None when they are all rows
+    decode_rows: Tensor | None  # [Sd * Hk * Lmax] cache-view rows, padding reads slot 0
+    decode_bias: Tensor | None  # [Sd, 1, 1, Lmax] 0 / -inf; None when nothing is padded
+    prefills: list[_Chunk]
     order: Tensor | None  # rows of concat(decodes, prefills) in token order; None if identity
 
 
-def _slots(meta: AttentionMetadata, seq: int, length: int) -> np.ndarray:
+def _cache_rows(meta: AttentionMetadata, seq: int, length: int, num_kv_heads: int) -> np.ndarray:
+    """``[Hk, length]`` rows of the cache view holding the first ``length`` tokens of ``seq``."""
     pos = np.arange(length)
     bs = meta.block_size
-    return meta.block_tables[seq][pos // bs] * bs + pos % bs
+    slots = meta.block_tables[seq][pos // bs] * bs + pos % bs
+    return slots[None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]
 
 
-def _build_plan(meta: AttentionMetadata, place: paddle.Place) -> _AttentionPlan:
+def _build_plan(
+    meta: AttentionMetadata, num_kv_heads: int, group: int, place: paddle.Place
+) -> _AttentionPlan:
     qsl = meta.query_start_loc
     query_lens = np.diff(qsl)
     decodes = np.flatnonzero(query_lens == 1)
     prefills = np.flatnonzero(query_lens > 1)
     num_rows = int(qsl[-1])
 
-    decode_rows = decode_slots = decode_bias = None
+    decode_queries = decode_rows = decode_bias = None
     decode_len = 0
     if len(decodes):
         lens = meta.seq_lens[decodes]
         decode_len = int(lens.max())
-        slots = np.zeros((len(decodes), decode_len), dtype=np.int64)
+        rows = np.zeros((len(decodes), num_kv_heads, decode_len), dtype=np.int64)
         for j, seq in enumerate(decodes):
-            slots[j, : lens[j]] = _slots(meta, seq, int(lens[j]))
-        decode_slots = _upload(slots.reshape(-1), place)
+            rows[j, :, : lens[j]] = _cache_rows(meta, seq, int(lens[j]), num_kv_heads)
+        decode_rows = _upload(rows.reshape(-1), place)
         if np.any(lens != decode_len):
             pad = np.arange(decode_len)[None, :] >= lens[:, None]
             bias = np.where(pad, -np.inf, 0.0).astype(np.float32)
             decode_bias = _upload(bias[:, None, None, :], place)
         if len(decodes) != num_rows:
-            decode_rows = _upload(qsl[decodes], place)
+            decode_queries = _upload(qsl[decodes], place)
 
-    plans = []
+    chunks = []
     for seq in prefills:
-        start, end = int(qsl[seq]), int(qsl[seq + 1])
-        context, total = int(meta.context_lens[seq]), int(meta.seq_lens[seq])
-        query_pos = context + np.arange(end - start)
-        hidden = np.arange(total)[None, :] > query_pos[:, None]
-        bias = _upload(np.where(hidden, -np.inf, 0.0).astype(np.float32), place)
-        plans.append(_Prefill(start, end, _upload(_slots(meta, seq, total), place), bias))
+        context = int(meta.context_lens[seq])
+        for start in range(int(qsl[seq]), int(qsl[seq + 1]), PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, int(qsl[seq + 1]))
+            query_pos = context + np.arange(start - qsl[seq], end - qsl[seq])
+            visible = int(query_pos[-1]) + 1
+            hidden = np.arange(visible)[None, :] > query_pos[:, None]
+            # Expanded over the group: Paddle broadcasts a middle axis ~10x slower.
+            bias = np.repeat(np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None], group, 1)
+            rows = _cache_rows(meta, seq, visible, num_kv_heads).reshape(-1)
+            chunks.append(_Chunk(start, end, _upload(rows, place), _upload(bias, place)))
 
     # Outputs are computed decodes first, then prefills in order; `order` puts rows back.
     produced = np.concatenate(
@@ -198,22 +215,28 @@ def _build_plan(meta: AttentionMetadata, place: paddle.Place) -> _AttentionPlan:
 
     return _AttentionPlan(
         slot_mapping=_upload(meta.slot_mapping.astype(np.int64), place),
-        decode_rows=decode_rows,
-        decode_slots=decode_slots,
-        decode_bias=decode_bias,
-        decode_len=decode_len,
         num_decodes=len(decodes),
-        prefills=plans,
+        decode_len=decode_len,
+        decode_queries=decode_queries,
+        decode_rows=decode_rows,
+        decode_bias=decode_bias,
+        prefills=chunks,
         order=order,
     )
 
 
-def _plan(meta: AttentionMetadata, place: paddle.Place) -> _AttentionPlan:
-    key = f"paddle.attention@{place}"
+def _plan(
+    meta: AttentionMetadata, num_kv_heads: int, group: int, place: paddle.Place
+) -> _AttentionPlan:
+    key = f"paddle.attention/{num_kv_heads}x{group}@{place}"
     plan = meta.device.get(key)
     if plan is None:
-        plan = meta.device[key] = _build_plan(meta, place)
+        plan = meta.device[key] = _build_plan(meta, num_kv_heads, group, place)
     return plan
+
+
+def _read(cache: Tensor, rows: Tensor) -> Tensor:
+    return _f32(take_rows(cache.reshape([-1, cache.shape[-1]]), rows))
 
 
 def _decode_attention(
@@ -221,38 +244,33 @@ def _decode_attention(
 ) -> Tensor:
     """All single-token queries at once, over their caches padded to the longest."""
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
-    n, length = plan.num_decodes, plan.decode_len
-    rows = q if plan.decode_rows is None else paddle.gather(q, plan.decode_rows)
-    query = (rows * scale).reshape([n, num_kv_heads, -1, head_dim])  # [Sd, Hk, G, D]
-
-    def cached(cache: Tensor) -> Tensor:
-        kv = _f32(take_rows(cache, plan.decode_slots))
-        return kv.reshape([n, length, num_kv_heads, head_dim]).transpose([0, 2, 1, 3])
-
-    scores = paddle.matmul(query, cached(key_cache), transpose_y=True)  # [Sd, Hk, G, Lmax]
+    shape = [plan.num_decodes, num_kv_heads, plan.decode_len, head_dim]
+    rows = q if plan.decode_queries is None else paddle.gather(q, plan.decode_queries)
+    query = (rows * scale).reshape([plan.num_decodes, num_kv_heads, -1, head_dim])  # [Sd,Hk,G,D]
+    keys = _read(key_cache, plan.decode_rows).reshape(shape)
+    scores = paddle.matmul(query, keys, transpose_y=True)  # [Sd, Hk, G, Lmax]
     if plan.decode_bias is not None:
         scores = scores + plan.decode_bias
-    out = paddle.matmul(F.softmax(scores, axis=-1), cached(value_cache))
-    return out.reshape([n, -1, head_dim])
+    values = _read(value_cache, plan.decode_rows).reshape(shape)
+    out = paddle.matmul(F.softmax(scores, axis=-1), values)
+    return out.reshape([plan.num_decodes, -1, head_dim])
 
 
 def _prefill_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: _Prefill, scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: _Chunk, scale: float
 ) -> Tensor:
-    """One sequence's new tokens over its context and themselves."""
+    """A chunk of one sequence's new tokens over the tokens they can see."""
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
     length = p.end - p.start
-    # Rows ordered (token, group) inside each kv head, so the [L, T] mask broadcasts per token.
+    # Query rows ordered (token, group) inside each kv head, so the mask broadcasts per token.
     query = (q[p.start : p.end] * scale).reshape([length, num_kv_heads, -1, head_dim])
     group = query.shape[2]
     query = query.transpose([1, 0, 2, 3]).reshape([num_kv_heads, length * group, head_dim])
-    keys = _f32(take_rows(key_cache, p.slots)).transpose([1, 0, 2])  # [Hk, T, D]
-    values = _f32(take_rows(value_cache, p.slots)).transpose([1, 0, 2])
+    keys = _read(key_cache, p.rows).reshape([num_kv_heads, -1, head_dim])  # [Hk, T, D]
     scores = paddle.matmul(query, keys, transpose_y=True)  # [Hk, L*G, T]
-    scores = scores.reshape([num_kv_heads, length, group, -1])
-    if p.bias is not None:
-        scores = scores + p.bias.unsqueeze(1)
+    scores = scores.reshape([num_kv_heads, length, group, -1]) + p.bias
     probs = F.softmax(scores, axis=-1).reshape([num_kv_heads, length * group, -1])
+    values = _read(value_cache, p.rows).reshape([num_kv_heads, -1, head_dim])
     out = paddle.matmul(probs, values).reshape([num_kv_heads, length, group, head_dim])
     return out.transpose([1, 0, 2, 3]).reshape([length, -1, head_dim])
 
@@ -266,7 +284,7 @@ def attention(
     scale: float,
 ) -> Tensor:
     key_cache, value_cache = kv_cache
-    plan = _plan(meta, key_cache.place)
+    plan = _plan(meta, key_cache.shape[1], q.shape[1] // key_cache.shape[1], key_cache.place)
     put_rows(key_cache, plan.slot_mapping, k)
     put_rows(value_cache, plan.slot_mapping, v)
 
@@ -405,8 +423,27 @@ def _row_sum(x: Tensor) -> Tensor:
     return paddle.sum(partial.reshape([rows, -1]), axis=-1, keepdim=True)
 
 
-def _filtered_probs(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
-    """Probabilities of the non-greedy ``rows`` after temperature, top-k, top-p and min-p."""
+def _nucleus_head(probs: Tensor, top_p: Tensor, active: np.ndarray, width: int) -> Tensor:
+    """The leading, descending part of each row of ``probs`` that holds its top-p nucleus.
+
+    A full sort over the vocabulary is slow on CPU (milliseconds a row), and the nucleus is
+    almost always among the few hundred most likely tokens: take the top ``width`` and widen
+    only while some row's head holds less than its ``top_p``.
+    """
+    vocab = probs.shape[1]
+    while width < vocab:
+        head, _ = paddle.topk(probs, width, axis=-1)
+        # The head's own running sum, as the full cumulative sum would compute it.
+        mass = paddle.cumsum(head, axis=-1)[:, -1:]
+        if np.all((mass >= top_p).numpy().reshape(-1) | ~active):
+            return head
+        width *= 8
+    return paddle.sort(probs, axis=-1, descending=True)
+
+
+def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
+    """For the non-greedy ``rows``: weights proportional to the filtered distribution
+    (temperature, top-k, top-p, min-p). The draw is an argmax, so they need no normalising."""
     place = x.place
     vocab = x.shape[1]
     column = lambda a: _upload(a[rows].astype(np.float32)[:, None], place)  # noqa: E731
@@ -423,26 +460,28 @@ def _filtered_probs(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor
         kth = paddle.where(_upload(limited[:, None], place), kth, paddle.full_like(kth, -np.inf))
         z = paddle.where(z >= kth, z, paddle.full_like(z, -np.inf))
     weights = paddle.exp(z)
-    probs = weights / _row_sum(weights)
 
-    top_p = batch.top_p[rows]
-    if (top_p < 1).any():
-        ordered = paddle.sort(probs, axis=-1, descending=True)
+    nucleus = batch.top_p[rows] < 1
+    if nucleus.any():
+        probs = weights / _row_sum(weights)
+        top_p = column(batch.top_p)
+        width = int(top_k[limited].max()) if limited[nucleus].all() else 256
+        ordered = _nucleus_head(probs, top_p, nucleus, width)
         before = paddle.concat(
             [paddle.zeros([len(rows), 1], dtype=_F32), paddle.cumsum(ordered, axis=-1)[:, :-1]],
             axis=-1,
         )
-        keep = _row_sum((before < column(batch.top_p)).astype(_F32))
+        keep = _row_sum((before < top_p).astype(_F32))
         last = paddle.clip(keep, min=1).astype(paddle.int64) - 1
         edge = paddle.take_along_axis(ordered, last, axis=-1)
         # Rows without top-p get edge 0, which keeps every token.
-        edge = paddle.where(_upload((top_p < 1)[:, None], place), edge, paddle.zeros_like(edge))
-        probs = paddle.where(probs >= edge, probs, paddle.zeros_like(probs))
+        edge = paddle.where(_upload(nucleus[:, None], place), edge, paddle.zeros_like(edge))
+        weights = paddle.where(probs >= edge, probs, paddle.zeros_like(probs))
 
     if (batch.min_p[rows] > 0).any():
-        floor = column(batch.min_p) * paddle.max(probs, axis=-1, keepdim=True)
-        probs = paddle.where(probs >= floor, probs, paddle.zeros_like(probs))
-    return probs / _row_sum(probs)
+        floor = column(batch.min_p) * paddle.max(weights, axis=-1, keepdim=True)
+        weights = paddle.where(weights >= floor, weights, paddle.zeros_like(weights))
+    return weights
 
 
 def _noise(batch: SamplingBatch, rows: np.ndarray, vocab: int) -> np.ndarray:
@@ -470,18 +509,20 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     else:
         rows = np.flatnonzero(~greedy)
         sub = x if len(rows) == num_rows else paddle.gather(x, _upload(rows, x.place))
-        probs = _filtered_probs(sub, batch, rows)
+        weights = _draw_weights(sub, batch, rows)
         noise = _upload(_noise(batch, rows, vocab), x.place)
         host = np.zeros(num_rows, dtype=np.int64)
-        host[rows] = paddle.argmax(probs / noise, axis=-1).numpy()
+        host[rows] = paddle.argmax(weights / noise, axis=-1).numpy()
         if greedy.any():
             host[greedy] = paddle.argmax(x, axis=-1).numpy()[greedy]
         tokens = _upload(host[:, None], x.place)
 
-    # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU.
-    shift = paddle.max(raw, axis=-1, keepdim=True)
-    lse = shift + paddle.log(_row_sum(paddle.exp(raw - shift)))
     chosen = paddle.take_along_axis(raw, tokens, axis=-1)
+    # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU.
+    # Greedy on unmodified logits picked the row max already, so it can shift by that.
+    untouched_greedy = x is raw and greedy.all()
+    shift = chosen if untouched_greedy else paddle.max(raw, axis=-1, keepdim=True)
+    lse = shift + paddle.log(_row_sum(paddle.exp(raw - shift)))
     # Ranked on raw logits: the order of the logprobs, with no rounding in between.
     ranks = _row_sum((raw >= chosen).astype(_F32))
     if batch.num_logprobs > 0:
