@@ -54,7 +54,9 @@ def test_rms_norm(shape, with_residual):
     x, weight = randn(rng, *shape), randn(rng, shape[-1])
     residual = randn(rng, *shape) if with_residual else None
     expected = spec.rms_norm(x, weight, 1e-6, residual)
-    actual = REFERENCE_OPS["rms_norm"](pd(x), pd(weight), 1e-6, None if residual is None else pd(residual))
+    actual = REFERENCE_OPS["rms_norm"](
+        pd(x), pd(weight), 1e-6, None if residual is None else pd(residual)
+    )
     if with_residual:
         close("rms_norm", actual[0], expected[0])
         close("rms_norm", actual[1], expected[1])
@@ -175,7 +177,11 @@ def test_linear_dense(n, in_f, out_f, with_bias):
     expected = spec.linear(x, w, bias)
     direct = x.astype(np.float64) @ w.astype(np.float64).T + (0 if bias is None else bias)
     np.testing.assert_allclose(expected, direct, rtol=1e-4, atol=1e-4)
-    close("linear", REFERENCE_OPS["linear"](pd(x), pd(w), None if bias is None else pd(bias)), expected)
+    close(
+        "linear",
+        REFERENCE_OPS["linear"](pd(x), pd(w), None if bias is None else pd(bias)),
+        expected,
+    )
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4"])
@@ -244,14 +250,20 @@ BATCHES = {
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("chunk", [3, pd_ops.PREFILL_CHUNK])
-def test_attention(batch, block_size, heads, head_dim, chunk, monkeypatch):
-    monkeypatch.setattr(pd_ops, "PREFILL_CHUNK", chunk)  # prefills split into several chunks
+@pytest.mark.parametrize("split", [False, True])
+def test_attention(batch, block_size, heads, head_dim, split, monkeypatch):
+    if split:  # prefills in many chunks, decodes in many length buckets
+        monkeypatch.setattr(pd_ops, "PREFILL_CHUNK", 3)
+        monkeypatch.setattr(pd_ops, "DECODE_BUCKET_COST", 0)
     rng = np.random.default_rng(block_size * head_dim + heads[0])
     num_q, num_kv = heads
     meta, (key_cache, value_cache) = build_step(rng, BATCHES[batch], block_size, num_kv, head_dim)
     n = int(meta.query_start_loc[-1])
-    q, k, v = randn(rng, n, num_q, head_dim), randn(rng, n, num_kv, head_dim), randn(rng, n, num_kv, head_dim)
+    q, k, v = (
+        randn(rng, n, num_q, head_dim),
+        randn(rng, n, num_kv, head_dim),
+        randn(rng, n, num_kv, head_dim),
+    )
     pd_cache = (pd(key_cache), pd(value_cache))
     scale = head_dim**-0.5
     expected = spec.attention(q, k, v, (key_cache, value_cache), meta, scale)
@@ -259,6 +271,13 @@ def test_attention(batch, block_size, heads, head_dim, chunk, monkeypatch):
     close("attention", actual, expected)
     np.testing.assert_array_equal(pd_cache[0].numpy(), key_cache)
     np.testing.assert_array_equal(pd_cache[1].numpy(), value_cache)
+
+
+def test_decode_length_buckets():
+    lengths = np.array([10, 11, 12, 1000, 1001])
+    assert pd_ops._length_buckets(lengths) == [slice(0, 3), slice(3, 5)]
+    assert pd_ops._length_buckets(np.array([5, 6, 7])) == [slice(0, 3)]
+    assert pd_ops._length_buckets(np.array([300])) == [slice(0, 1)]
 
 
 def test_attention_reuses_step_metadata_across_layers():
@@ -282,7 +301,11 @@ def test_attention_float16_cache():
     q, k, v = randn(rng, n, 4, 64), randn(rng, n, 2, 64), randn(rng, n, 2, 64)
     pd_cache = (pd(key_cache), pd(value_cache))
     expected = spec.attention(q, k, v, (key_cache, value_cache), meta, 0.125)
-    close("attention", REFERENCE_OPS["attention"](pd(q), pd(k), pd(v), pd_cache, meta, 0.125), expected)
+    close(
+        "attention",
+        REFERENCE_OPS["attention"](pd(q), pd(k), pd(v), pd_cache, meta, 0.125),
+        expected,
+    )
     np.testing.assert_array_equal(pd_cache[0].numpy(), key_cache)
 
 
@@ -304,15 +327,27 @@ def test_attention_spec_equals_dense_causal_attention():
     changes each step) gives exactly the dense causal attention over the whole sequence."""
     rng = np.random.default_rng(5)
     length, num_q, num_kv, head_dim, bs = 23, 6, 2, 16, 4
-    q, k, v = randn(rng, length, num_q, head_dim), randn(rng, length, num_kv, head_dim), randn(rng, length, num_kv, head_dim)
+    q, k, v = (
+        randn(rng, length, num_q, head_dim),
+        randn(rng, length, num_kv, head_dim),
+        randn(rng, length, num_kv, head_dim),
+    )
     num_blocks = 32
     table = rng.permutation(num_blocks)[:8]
     other_table = rng.permutation(np.setdiff1d(np.arange(num_blocks), table))[:8]
-    cache = (randn(rng, num_blocks * bs, num_kv, head_dim), randn(rng, num_blocks * bs, num_kv, head_dim))
+    cache = (
+        randn(rng, num_blocks * bs, num_kv, head_dim),
+        randn(rng, num_blocks * bs, num_kv, head_dim),
+    )
     chunks = [(0, 9), (9, 17), *[(p, p + 1) for p in range(17, length)]]
     outputs = []
+    other_new = 2  # new tokens of a neighbour sequence sharing every step
+
+    def noise(heads: int) -> np.ndarray:
+        return randn(rng, other_new, heads, head_dim)
+
     for step, (start, end) in enumerate(chunks):
-        other_ctx, other_new = step, 2  # a neighbour sequence sharing the step
+        other_ctx = step
         other_pos = np.arange(other_ctx, other_ctx + other_new)
         meta = AttentionMetadata(
             query_start_loc=np.array([0, other_new, other_new + end - start]),
@@ -327,7 +362,6 @@ def test_attention_spec_equals_dense_causal_attention():
             ),
             block_size=bs,
         )
-        noise = lambda h: randn(rng, other_new, h, head_dim)  # noqa: E731
         out = spec.attention(
             np.concatenate([noise(num_q), q[start:end]]),
             np.concatenate([noise(num_kv), k[start:end]]),
@@ -378,8 +412,14 @@ def test_moe(n, experts, scoring, with_bias, renormalize):
     bias = randn(rng, num_experts) if with_bias else None
     expected = spec.moe(x, router, gate_up, down, top_k, scoring, renormalize, bias)
     actual = REFERENCE_OPS["moe"](
-        pd(x), pd(router), [pd(w) for w in gate_up], [pd(w) for w in down], top_k, scoring,
-        renormalize, None if bias is None else pd(bias),
+        pd(x),
+        pd(router),
+        [pd(w) for w in gate_up],
+        [pd(w) for w in down],
+        top_k,
+        scoring,
+        renormalize,
+        None if bias is None else pd(bias),
     )
     close("moe", actual, expected)
 
@@ -391,7 +431,9 @@ def test_moe_quantized_experts():
     qgu = [quantize(w, "wint8", 32) for w in gate_up]
     qd = [quantize(w, "wint4", -1) for w in down]
     expected = spec.moe(x, router, qgu, qd, 2)
-    actual = REFERENCE_OPS["moe"](pd(x), pd(router), [pd_quantized(w) for w in qgu], [pd_quantized(w) for w in qd], 2)
+    actual = REFERENCE_OPS["moe"](
+        pd(x), pd(router), [pd_quantized(w) for w in qgu], [pd_quantized(w) for w in qd], 2
+    )
     close("moe", actual, expected)
 
 
@@ -406,7 +448,9 @@ def test_moe_spec_from_first_principles():
     # Every expert chosen, softmax, renormalised: the softmax-weighted sum of all experts.
     weights = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     dense = np.einsum("ne,neh->nh", weights, outputs)
-    np.testing.assert_allclose(spec.moe(x, router, gate_up, down, num_experts), dense, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        spec.moe(x, router, gate_up, down, num_experts), dense, rtol=1e-4, atol=1e-5
+    )
 
     # A huge correction bias forces an expert's choice, but its weight stays the unbiased score.
     bias = np.array([0, 0, 100, 0], dtype=np.float32)
@@ -434,11 +478,15 @@ def make_batch(num_rows: int, **fields) -> SamplingBatch:
         presence_penalty=column("presence_penalty", 0.0, np.float32),
         frequency_penalty=column("frequency_penalty", 0.0, np.float32),
         repetition_penalty=column("repetition_penalty", 1.0, np.float32),
-        seeds=column("seeds", 0, np.int64) if "seeds" in fields else np.arange(num_rows, dtype=np.int64),
+        seeds=column("seeds", 0, np.int64)
+        if "seeds" in fields
+        else np.arange(num_rows, dtype=np.int64),
         steps=column("steps", 0, np.int64),
         prompt_token_ids=[np.asarray(t, np.int64) for t in fields.get("prompt_token_ids", empty)],
         output_token_ids=[np.asarray(t, np.int64) for t in fields.get("output_token_ids", empty)],
-        suppress_token_ids=[np.asarray(t, np.int64) for t in fields.get("suppress_token_ids", empty)],
+        suppress_token_ids=[
+            np.asarray(t, np.int64) for t in fields.get("suppress_token_ids", empty)
+        ],
         num_logprobs=fields.get("num_logprobs", 0),
     )
 
@@ -476,8 +524,12 @@ def test_sample_greedy_is_argmax(num_rows, vocab):
 
 
 def random_batch(rng: np.random.Generator, num_rows: int, vocab: int) -> SamplingBatch:
-    pick = lambda options: [options[i] for i in rng.integers(0, len(options), num_rows)]  # noqa: E731
-    tokens = lambda hi: [rng.integers(0, vocab, rng.integers(0, hi)) for _ in range(num_rows)]  # noqa: E731
+    def pick(options: list) -> list:
+        return [options[i] for i in rng.integers(0, len(options), num_rows)]
+
+    def tokens(most: int) -> list[np.ndarray]:
+        return [rng.integers(0, vocab, rng.integers(0, most)) for _ in range(num_rows)]
+
     return make_batch(
         num_rows,
         temperature=pick([0.0, 0.3, 1.0, 1.7]),
@@ -512,9 +564,13 @@ def test_sample_logprobs_ranks_and_top_ids_from_first_principles():
     for out in both(logits, batch):
         rows = np.arange(6)
         np.testing.assert_allclose(out.logprobs, raw[rows, out.token_ids], **TOLERANCES["sample"])
-        np.testing.assert_array_equal(out.ranks, 1 + (raw > raw[rows, out.token_ids][:, None]).sum(1))
+        np.testing.assert_array_equal(
+            out.ranks, 1 + (raw > raw[rows, out.token_ids][:, None]).sum(1)
+        )
         np.testing.assert_array_equal(out.top_ids, np.argsort(-raw, axis=1)[:, :4])
-        np.testing.assert_allclose(out.top_logprobs, np.sort(raw, axis=1)[:, ::-1][:, :4], **TOLERANCES["sample"])
+        np.testing.assert_allclose(
+            out.top_logprobs, np.sort(raw, axis=1)[:, ::-1][:, :4], **TOLERANCES["sample"]
+        )
 
 
 def test_sample_rank_ties_share_the_worse_rank():
@@ -541,7 +597,9 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch():
             assert impl(logits, batch).token_ids[position] == token
     # The step is part of the seed: a flat distribution gives different tokens at other steps.
     flat = np.zeros((1, vocab), np.float32)
-    tokens = {spec.sample(flat, make_batch(1, seeds=[1234], steps=[s])).token_ids[0] for s in range(10)}
+    tokens = {
+        spec.sample(flat, make_batch(1, seeds=[1234], steps=[s])).token_ids[0] for s in range(10)
+    }
     assert len(tokens) > 5
 
 
@@ -554,6 +612,13 @@ def insert_row(batch: SamplingBatch, row: SamplingBatch, position: int) -> Sampl
             fields[name] = value[:position] + [getattr(row, name)[0]] + value[position:]
         else:
             fields[name] = value
+    return SamplingBatch(**fields)
+
+
+def batch_row(batch: SamplingBatch, i: int) -> SamplingBatch:
+    fields = {}
+    for name, value in vars(batch).items():
+        fields[name] = value[i : i + 1] if isinstance(value, (np.ndarray, list)) else value
     return SamplingBatch(**fields)
 
 
@@ -581,7 +646,13 @@ def allowed_tokens(logits: np.ndarray, temperature, top_k, top_p, min_p) -> set[
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
-    [(1.0, 5, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.7, 0, 1.0, 0.2), (1.3, 20, 0.8, 0.05), (1.0, 1, 1.0, 0.0)],
+    [
+        (1.0, 5, 1.0, 0.0),
+        (1.0, 0, 0.6, 0.0),
+        (0.7, 0, 1.0, 0.2),
+        (1.3, 20, 0.8, 0.05),
+        (1.0, 1, 1.0, 0.0),
+    ],
 )
 def test_sample_only_picks_allowed_tokens(temperature, top_k, top_p, min_p):
     rng = np.random.default_rng(10)
@@ -589,8 +660,11 @@ def test_sample_only_picks_allowed_tokens(temperature, top_k, top_p, min_p):
     logits = np.repeat(randn(rng, 1, vocab) * 1.5, num_rows, axis=0)
     allowed = allowed_tokens(logits[0].astype(np.float64), temperature, top_k, top_p, min_p)
     batch = make_batch(
-        num_rows, temperature=[temperature] * num_rows, top_k=[top_k] * num_rows,
-        top_p=[top_p] * num_rows, min_p=[min_p] * num_rows,
+        num_rows,
+        temperature=[temperature] * num_rows,
+        top_k=[top_k] * num_rows,
+        top_p=[top_p] * num_rows,
+        min_p=[min_p] * num_rows,
     )
     expected, actual = both(logits, batch)
     np.testing.assert_array_equal(actual.token_ids, expected.token_ids)
@@ -613,8 +687,12 @@ def test_sample_draws_follow_the_distribution():
 def test_penalties_spec_by_hand():
     logits = np.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], dtype=np.float32)
     batch = make_batch(
-        1, repetition_penalty=[2.0], frequency_penalty=[0.5], presence_penalty=[0.25],
-        prompt_token_ids=[[0, 4]], output_token_ids=[[1, 1, 3]],
+        1,
+        repetition_penalty=[2.0],
+        frequency_penalty=[0.5],
+        presence_penalty=[0.25],
+        prompt_token_ids=[[0, 4]],
+        output_token_ids=[[1, 1, 3]],
     )
     # token 0: prompt, positive -> / 2.       token 1: output x2, negative -> * 2, - 2*0.5 - 0.25
     # token 3: output x1, positive -> / 2 - 0.5 - 0.25.   token 4: prompt, negative -> * 2
@@ -631,10 +709,15 @@ def test_penalties_match_spec(seed):
 
 
 def test_penalties_and_suppression_steer_greedy_choice():
-    logits = np.array([[0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0]], np.float32)
+    logits = np.array(
+        [[0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0]], np.float32
+    )
     batch = make_batch(
-        3, temperature=[0.0] * 3, frequency_penalty=[0.0, 0.3, 0.0],
-        output_token_ids=[[1], [1], []], suppress_token_ids=[[], [], [1, 2]],
+        3,
+        temperature=[0.0] * 3,
+        frequency_penalty=[0.0, 0.3, 0.0],
+        output_token_ids=[[1], [1], []],
+        suppress_token_ids=[[], [], [1, 2]],
     )
     for out in both(logits, batch):
         np.testing.assert_array_equal(out.token_ids, [1, 2, 3])
@@ -655,3 +738,31 @@ def test_tiny_temperature_is_greedy_without_overflow():
     logits = randn(np.random.default_rng(12), 3, 500) * 50
     for out in both(logits, make_batch(3, temperature=[1e-6] * 3)):
         np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
+
+
+@pytest.mark.parametrize(
+    "spread,top_p,top_k,width",
+    [(6.0, 0.9, 0, 256), (1.5, 0.9, 0, 2048), (0.05, 0.95, 0, 4096), (6.0, 0.9, 100, 100)],
+)
+def test_top_p_over_a_large_vocabulary(spread, top_p, top_k, width, monkeypatch):
+    """The nucleus is found from the top-k survivors, a top-k head widened as needed, or a full
+    sort; all give the spec's draw."""
+    rng = np.random.default_rng(13)
+    vocab, num_rows = 4096, 6
+    logits = randn(rng, num_rows, vocab) * spread
+    batch = make_batch(
+        num_rows,
+        top_p=[top_p] * num_rows,
+        top_k=[top_k] * num_rows,
+        seeds=rng.integers(0, 1000, num_rows),
+    )
+    widths = []
+    head = pd_ops._nucleus_head
+    monkeypatch.setattr(
+        pd_ops, "_nucleus_head", lambda *a: widths.append(head(*a).shape[1]) or head(*a)
+    )
+    assert_same_output(*both(logits, batch))
+    assert widths == [width]
+    for i in range(num_rows):
+        allowed = allowed_tokens(logits[i].astype(np.float64), 1.0, top_k, top_p, 0.0)
+        assert spec.sample(logits[i : i + 1], batch_row(batch, i)).token_ids[0] in allowed

@@ -65,7 +65,9 @@ def test_from_numpy_casts_integers(memory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_kv_cache_layout(memory, dtype):
-    caches = memory.allocate_kv_cache(3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    caches = memory.allocate_kv_cache(
+        3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype
+    )
     assert len(caches) == 3
     tensors = [t for pair in caches for t in pair]
     for t in tensors:
@@ -129,10 +131,12 @@ def test_attention_writes_into_an_allocated_cache(memory, dtype):
         slot_mapping=np.array([8, 9, 10, 5]),  # seq 1, position 5: block 1, offset 1
         block_size=bs,
     )
-    (key, value), = memory.allocate_kv_cache(1, 4, bs, 2, 8, dtype)
+    ((key, value),) = memory.allocate_kv_cache(1, 4, bs, 2, 8, dtype)
     q, k, v = (rng.standard_normal((4, h, 8)).astype(np.float32) for h in (4, 2, 2))
     host_cache = (memory.to_numpy(key), memory.to_numpy(value))
-    out = REFERENCE_OPS["attention"](memory.from_numpy(q), memory.from_numpy(k), memory.from_numpy(v), (key, value), meta, 0.3)
+    out = REFERENCE_OPS["attention"](
+        memory.from_numpy(q), memory.from_numpy(k), memory.from_numpy(v), (key, value), meta, 0.3
+    )
     spec.attention(q, k, v, host_cache, meta, 0.3)
     rtol = 1e-2 if dtype == "bfloat16" else 0
     np.testing.assert_allclose(memory.to_numpy(key), host_cache[0], rtol=rtol, atol=rtol)
@@ -177,15 +181,16 @@ def test_communicator_rejects_bad_ranks_and_lists():
         PaddleCommunicator().all_to_all([paddle.zeros([1]), paddle.zeros([1])])
 
 
-WORKER = r'''
+WORKER = r"""
 import json
+import sys
 import numpy as np
 import paddle
 import paddle.distributed as dist
 from fd_core.runtimes.paddle import PaddleCommunicator
 
 
-def worker():
+def worker(out_dir):
     dist.init_parallel_env()
     rank, size = dist.get_rank(), dist.get_world_size()
     comm = PaddleCommunicator(rank, size)
@@ -194,19 +199,22 @@ def worker():
         "all_reduce": comm.all_reduce(f32(rank + 1.0, 10.0)).numpy().tolist(),
         "all_gather": comm.all_gather(f32(rank, rank).reshape([1, 2]), axis=0).numpy().tolist(),
         "broadcast": comm.broadcast(f32(rank * 5.0), src=1).numpy().tolist(),
-        "all_to_all": [t.numpy().tolist() for t in comm.all_to_all([f32(10.0 * rank + j) for j in range(size)])],
+        "all_to_all": [
+            t.numpy().tolist() for t in comm.all_to_all([f32(10.0 * rank + j) for j in range(size)])
+        ],
     }
     if rank == 0:
         comm.send(f32(42.0), dst=1)
     else:
         out["recv"] = comm.recv(paddle.zeros([1]), src=0).numpy().tolist()
     comm.barrier()
-    print("RESULT", rank, json.dumps(out), flush=True)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
 
 
 if __name__ == "__main__":
-    dist.spawn(worker, nprocs=2, backend="gloo")
-'''
+    dist.spawn(worker, args=(sys.argv[1],), nprocs=2, backend="gloo")
+"""
 
 
 @pytest.mark.slow
@@ -217,12 +225,14 @@ def test_two_cpu_ranks_over_gloo(tmp_path):
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    results = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("RESULT"):
-            _, rank, payload = line.split(" ", 2)
-            results[int(rank)] = json.loads(payload)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    results = {
+        rank: json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for rank in (0, 1)
+        if (tmp_path / f"rank{rank}.json").exists()
+    }
     assert set(results) == {0, 1}, run.stdout[-2000:] + run.stderr[-2000:]
     for rank, out in results.items():
         assert out["all_reduce"] == [3.0, 20.0]

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from fd_core.errors import InvalidRequestError
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings, with vLLM's names and defaults.
@@ -47,6 +50,8 @@ class SamplingParams:
             self.stop_strings = tuple(self.stop)
         if self.top_k == -1:
             self.top_k = 0
+        if 0 < self.temperature < _GREEDY_BELOW:
+            self.temperature = 0.0  # as vLLM: dividing by a near-zero temperature overflows
 
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:

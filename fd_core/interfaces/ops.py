@@ -32,7 +32,8 @@ class QuantizedWeight:
 
     ``method``: ``"wint8"`` (int8 values, one scale per output row and group) or ``"wint4"``
     (int4 values in ``[-8, 7]`` stored one per int8, same scales). ``scales`` has shape
-    ``[out, in // group_size]`` (``group_size == -1``: one group spanning ``in``).
+    ``[out, in // group_size]`` (``group_size == -1``: one group spanning ``in``; otherwise ``in``
+    is a multiple of ``group_size``).
     Dequantized weight = ``qweight * repeat(scales, group_size, axis=1)``.
     """
 
@@ -89,7 +90,8 @@ class SamplingBatch:
     output; ``frequency_penalty`` subtracts ``count_in_output * f``; ``presence_penalty`` subtracts
     ``p`` once for every token present in the output. ``suppress_token_ids[i]`` get ``-inf`` (used
     for ``min_tokens``). Randomness is drawn from ``numpy.random.default_rng([seeds[i], steps[i]])``
-    only, so a seeded row gives the same token whatever else is in the batch.
+    only, so a seeded row gives the same token whatever else is in the batch. Seeds are
+    non-negative: ``default_rng`` refuses negative entropy.
     """
 
     temperature: np.ndarray  # float32 [S]
@@ -147,7 +149,8 @@ OP_SPECS: dict[str, OpSpec] = {
             """
             y = x / sqrt(mean(x**2, -1) + eps) * weight, computed in float32.
             With ``residual``: first x = x + residual, then return (y, x) so the caller keeps the
-            summed stream as the next residual.
+            summed stream as the next residual. As in vLLM, the sum is formed in float32 and both
+            results come back in x's dtype.
             """,
         ),
         _spec(
@@ -181,6 +184,8 @@ OP_SPECS: dict[str, OpSpec] = {
             new token attends causally, softmax(q . K^T * scale) V in float32, over its sequence's
             cached and new tokens, read back through meta.block_tables. GQA: query head h uses
             kv head h // (Hq // Hk). One call covers a mixed batch of prefill chunks and decodes.
+            k and v are stored in the cache's dtype (attention reads them back from there); the
+            output has q's dtype.
             """,
         ),
         _spec(
@@ -193,6 +198,7 @@ OP_SPECS: dict[str, OpSpec] = {
             (``scoring``). Experts chosen by top_k of s + correction_bias (bias only affects the
             choice); weights are the chosen s, divided by their sum when ``renormalize``.
             out[n] = sum_e w[n, e] * down[e] @ silu_and_mul(gate_up[e] @ x[n]).
+            Experts tied on s + correction_bias go to the lower expert id.
             """,
         ),
         _spec(
@@ -205,6 +211,15 @@ OP_SPECS: dict[str, OpSpec] = {
             min-p (drop tokens below min_p * max prob), renormalise, and draw with the row's
             generator: token = argmax(probs / Exponential(1) noise), the noise being
             ``rng.exponential(size=V)`` from ``numpy.random.default_rng([seed, step])``.
+
+            Details, chosen as vLLM does where it has a rule: penalties and suppression apply to
+            every row, greedy ones included, and greedy takes the argmax of the resulting logits
+            (ties: lowest id). Top-k keeps every token at least as likely as the k-th (ties at the
+            edge stay). Top-p keeps tokens, most likely first, while the mass before them is below
+            top_p, widened to every token tied with the last one kept. Min-p drops tokens strictly
+            below min_p * max prob. The noise is cast to float32 before the division. ``ranks``
+            counts the tokens whose raw logit is >= the sampled one's, so ties share the worse
+            rank (vLLM's count); ``top_ids`` ties go to the lower id.
             """,
         ),
     ]

@@ -181,7 +181,7 @@ def moe(
     ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
     out = np.zeros(x.shape, dtype=np.float32)
     for n in range(x.shape[0]):
-        for e, w in zip(ids[n], weights[n]):
+        for e, w in zip(ids[n], weights[n], strict=True):
             h = linear(x[n : n + 1].astype(np.float32), gate_up[e])
             out[n] += w * linear(silu_and_mul(h), down[e])[0]
     return out.astype(x.dtype)
@@ -210,9 +210,9 @@ def filtered_probs(
     """The distribution one non-greedy row draws from (float32 ``[V]``, sums to 1).
 
     Temperature, then top-k (every token at least as likely as the k-th best; ties at the edge
-    stay), then top-p (the most likely tokens until their mass before a token reaches ``top_p``:
-    the smallest such set, widened to every token tied with its least likely member), then min-p
-    (tokens with probability below ``min_p * max_prob`` go).
+    stay), then top-p (tokens, most likely first, while the mass before them is below ``top_p``,
+    so the smallest set reaching it; widened to every token tied with the last one kept), then
+    min-p (tokens with probability below ``min_p * max_prob`` go).
     """
     vocab = logits.shape[0]
     # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.

@@ -1,4 +1,4 @@
-"""The Paddle runtime: reference ops, memory and collectives. The one package that imports paddle."""
+"""The Paddle runtime: reference ops, memory and collectives; the one package importing paddle."""
 
 from fd_core.runtimes.paddle.communicator import PaddleCommunicator
 from fd_core.runtimes.paddle.memory import PaddleMemory

@@ -36,9 +36,7 @@ class PaddleCommunicator:
 
     def _check_peer(self, peer: int, what: str) -> None:
         if self.world_size == 1:
-            raise RuntimeError(
-                f"{what} needs another rank, but this communicator has world_size 1"
-            )
+            raise RuntimeError(f"{what} needs another rank, but this communicator has world_size 1")
         if not 0 <= peer < self.world_size:
             raise ValueError(f"{what}: rank {peer} is outside world_size {self.world_size}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import paddle

@@ -10,8 +10,8 @@ for every op it does not implement itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import paddle
@@ -69,20 +69,24 @@ def rms_norm(
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
-    rot = cos.shape[-1] * 2
+    n, heads, dim = x.shape
+    half = cos.shape[-1]
+    rot = 2 * half
     h = _f32(x)
-    part = h if rot == h.shape[-1] else h[..., :rot]
+    # Expanded to the full shape first: Paddle broadcasts over a middle axis ~10x slower.
+    cos = paddle.expand(cos.unsqueeze(1), [n, heads, half])
+    sin = paddle.expand(sin.unsqueeze(1), [n, heads, half])
     if style == "neox":
-        a, b = paddle.chunk(part, 2, axis=-1)
+        a, b = h[..., :half], h[..., half:rot]
         out = paddle.concat([a * cos - b * sin, b * cos + a * sin], axis=-1)
     elif style == "interleaved":
-        pairs = part.reshape([*part.shape[:-1], rot // 2, 2])
-        a, b = pairs[..., 0], pairs[..., 1]
+        pairs = (h if rot == dim else h[..., :rot]).reshape([n, heads, half, 2])
+        a, b = paddle.unbind(pairs, axis=-1)
         out = paddle.stack([a * cos - b * sin, b * cos + a * sin], axis=-1)
-        out = out.reshape(part.shape)
+        out = out.reshape([n, heads, rot])
     else:
         raise ValueError(f"unknown rotary style {style!r}")
-    if rot != h.shape[-1]:
+    if rot != dim:
         out = paddle.concat([out, h[..., rot:]], axis=-1)
     return _to(out, x.dtype)
 
@@ -90,8 +94,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
 def rotary(
     positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor, style: str
 ) -> tuple[Tensor, Tensor]:
-    cs = _f32(take_rows(cos_sin, positions)).unsqueeze(1)  # [N, 1, R]
-    cos, sin = paddle.chunk(cs, 2, axis=-1)
+    cs = _f32(take_rows(cos_sin, positions))  # [N, R]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, :half], cs[:, half:]
     return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
 
 
@@ -137,10 +142,23 @@ PREFILL_CHUNK = 64
 
 @dataclass
 class _Chunk:
-    start: int  # query rows start:end of the step
+    """Prefill query rows ``start:end`` of one sequence and the T' tokens they can see."""
+
+    start: int
     end: int
-    rows: Tensor  # [Hk * T'] rows of the [slots * Hk, D] cache view for the T' visible tokens
+    rows: Tensor  # [Hk * T'] rows of the [slots * Hk, D] cache view
     bias: Tensor  # [L', G, T'] additive causal mask, 0 or -inf
+
+
+@dataclass
+class _Decodes:
+    """Single-token queries computed together, their caches padded to the longest."""
+
+    count: int
+    length: int
+    queries: Tensor | None  # [Sd] query rows; None when they are all rows, in order
+    rows: Tensor  # [Sd * Hk * length] rows of the cache view; padding reads row 0
+    bias: Tensor | None  # [Sd, Hk, G, length] 0 / -inf; None when nothing is padded
 
 
 @dataclass
@@ -148,13 +166,33 @@ class _AttentionPlan:
     """Device copies of one step's metadata, shared by every layer."""
 
     slot_mapping: Tensor
-    num_decodes: int
-    decode_len: int  # the longest decode sequence; the others are padded to it
-    decode_queries: Tensor | None  # [Sd] query rows of the decodes; None when they are all rows
-    decode_rows: Tensor | None  # [Sd * Hk * Lmax] cache-view rows, padding reads slot 0
-    decode_bias: Tensor | None  # [Sd, 1, 1, Lmax] 0 / -inf; None when nothing is padded
-    prefills: list[_Chunk]
-    order: Tensor | None  # rows of concat(decodes, prefills) in token order; None if identity
+    decodes: list[_Decodes]
+    chunks: list[_Chunk]
+    order: Tensor | None  # rows of concat(decodes, chunks) in token order; None if identity
+
+
+# A bucket of decodes costs about as much fixed work as this many padded cache tokens.
+DECODE_BUCKET_COST = 1024
+
+
+def _length_buckets(lengths: np.ndarray) -> list[slice]:
+    """Cut ascending ``lengths`` into buckets minimising padded tokens plus a per-bucket cost.
+
+    One bucket pads every decode to the longest; mixed lengths waste up to half the reads.
+    """
+    n = len(lengths)
+    best = np.zeros(n + 1)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        # The last bucket is i..j-1, padded to lengths[j - 1].
+        cost = best[:j] + (j - np.arange(j)) * lengths[j - 1] + DECODE_BUCKET_COST
+        start[j] = int(np.argmin(cost))
+        best[j] = cost[start[j]]
+    cuts, j = [], n
+    while j > 0:
+        cuts.append(slice(int(start[j]), j))
+        j = int(start[j])
+    return cuts[::-1]
 
 
 def _cache_rows(meta: AttentionMetadata, seq: int, length: int, num_kv_heads: int) -> np.ndarray:
@@ -165,31 +203,44 @@ def _cache_rows(meta: AttentionMetadata, seq: int, length: int, num_kv_heads: in
     return slots[None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]
 
 
+def _decodes(
+    meta: AttentionMetadata, seqs: np.ndarray, num_kv_heads: int, group: int, place: paddle.Place
+) -> _Decodes:
+    lens = meta.seq_lens[seqs]
+    length = int(lens.max())
+    rows = np.zeros((len(seqs), num_kv_heads, length), dtype=np.int64)
+    for j, seq in enumerate(seqs):
+        rows[j, :, : lens[j]] = _cache_rows(meta, seq, int(lens[j]), num_kv_heads)
+    bias = None
+    if np.any(lens != length):
+        pad = np.arange(length)[None, :] >= lens[:, None]
+        mask = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
+        # Full shape, as for the prefill mask: Paddle broadcasts over middle axes ~10x slower.
+        bias = _upload(np.broadcast_to(mask, (len(seqs), num_kv_heads, group, length)), place)
+    queries = meta.query_start_loc[seqs]
+    in_order = np.array_equal(queries, np.arange(int(meta.query_start_loc[-1])))
+    return _Decodes(
+        count=len(seqs),
+        length=length,
+        queries=None if in_order else _upload(queries, place),
+        rows=_upload(rows.reshape(-1), place),
+        bias=bias,
+    )
+
+
 def _build_plan(
     meta: AttentionMetadata, num_kv_heads: int, group: int, place: paddle.Place
 ) -> _AttentionPlan:
     qsl = meta.query_start_loc
     query_lens = np.diff(qsl)
-    decodes = np.flatnonzero(query_lens == 1)
-    prefills = np.flatnonzero(query_lens > 1)
     num_rows = int(qsl[-1])
 
-    decode_queries = decode_rows = decode_bias = None
-    decode_len = 0
-    if len(decodes):
-        lens = meta.seq_lens[decodes]
-        decode_len = int(lens.max())
-        rows = np.zeros((len(decodes), num_kv_heads, decode_len), dtype=np.int64)
-        for j, seq in enumerate(decodes):
-            rows[j, :, : lens[j]] = _cache_rows(meta, seq, int(lens[j]), num_kv_heads)
-        decode_rows = _upload(rows.reshape(-1), place)
-        if np.any(lens != decode_len):
-            pad = np.arange(decode_len)[None, :] >= lens[:, None]
-            bias = np.where(pad, -np.inf, 0.0).astype(np.float32)
-            decode_bias = _upload(bias[:, None, None, :], place)
-        if len(decodes) != num_rows:
-            decode_queries = _upload(qsl[decodes], place)
+    decodes = np.flatnonzero(query_lens == 1)
+    decodes = decodes[np.argsort(meta.seq_lens[decodes], kind="stable")]
+    buckets = _length_buckets(meta.seq_lens[decodes]) if len(decodes) else []
+    decode_groups = [_decodes(meta, decodes[b], num_kv_heads, group, place) for b in buckets]
 
+    prefills = np.flatnonzero(query_lens > 1)
     chunks = []
     for seq in prefills:
         context = int(meta.context_lens[seq])
@@ -198,7 +249,7 @@ def _build_plan(
             query_pos = context + np.arange(start - qsl[seq], end - qsl[seq])
             visible = int(query_pos[-1]) + 1
             hidden = np.arange(visible)[None, :] > query_pos[:, None]
-            # Expanded over the group: Paddle broadcasts a middle axis ~10x slower.
+            # Expanded over the group: Paddle broadcasts over a middle axis ~10x slower.
             bias = np.repeat(np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None], group, 1)
             rows = _cache_rows(meta, seq, visible, num_kv_heads).reshape(-1)
             chunks.append(_Chunk(start, end, _upload(rows, place), _upload(bias, place)))
@@ -215,12 +266,8 @@ def _build_plan(
 
     return _AttentionPlan(
         slot_mapping=_upload(meta.slot_mapping.astype(np.int64), place),
-        num_decodes=len(decodes),
-        decode_len=decode_len,
-        decode_queries=decode_queries,
-        decode_rows=decode_rows,
-        decode_bias=decode_bias,
-        prefills=chunks,
+        decodes=decode_groups,
+        chunks=chunks,
         order=order,
     )
 
@@ -240,20 +287,18 @@ def _read(cache: Tensor, rows: Tensor) -> Tensor:
 
 
 def _decode_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, plan: _AttentionPlan, scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: _Decodes, scale: float
 ) -> Tensor:
-    """All single-token queries at once, over their caches padded to the longest."""
+    """Single-token queries at once, over their caches padded to the longest."""
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
-    shape = [plan.num_decodes, num_kv_heads, plan.decode_len, head_dim]
-    rows = q if plan.decode_queries is None else paddle.gather(q, plan.decode_queries)
-    query = (rows * scale).reshape([plan.num_decodes, num_kv_heads, -1, head_dim])  # [Sd,Hk,G,D]
-    keys = _read(key_cache, plan.decode_rows).reshape(shape)
-    scores = paddle.matmul(query, keys, transpose_y=True)  # [Sd, Hk, G, Lmax]
-    if plan.decode_bias is not None:
-        scores = scores + plan.decode_bias
-    values = _read(value_cache, plan.decode_rows).reshape(shape)
-    out = paddle.matmul(F.softmax(scores, axis=-1), values)
-    return out.reshape([plan.num_decodes, -1, head_dim])
+    shape = [d.count, num_kv_heads, d.length, head_dim]
+    rows = q if d.queries is None else paddle.gather(q, d.queries)
+    query = (rows * scale).reshape([d.count, num_kv_heads, -1, head_dim])  # [Sd, Hk, G, D]
+    scores = paddle.matmul(query, _read(key_cache, d.rows).reshape(shape), transpose_y=True)
+    if d.bias is not None:
+        scores = scores + d.bias
+    out = paddle.matmul(F.softmax(scores, axis=-1), _read(value_cache, d.rows).reshape(shape))
+    return out.reshape([d.count, -1, head_dim])
 
 
 def _prefill_attention(
@@ -289,11 +334,9 @@ def attention(
     put_rows(value_cache, plan.slot_mapping, v)
 
     query = _f32(q)
-    pieces = []
-    if plan.num_decodes:
-        pieces.append(_decode_attention(query, key_cache, value_cache, plan, scale))
-    for p in plan.prefills:
-        pieces.append(_prefill_attention(query, key_cache, value_cache, p, scale))
+    pieces = [_decode_attention(query, key_cache, value_cache, d, scale) for d in plan.decodes]
+    for chunk in plan.chunks:
+        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale))
     out = pieces[0] if len(pieces) == 1 else paddle.concat(pieces, axis=0)
     if plan.order is not None:
         out = paddle.gather(out, plan.order)
@@ -365,6 +408,18 @@ def _f32_weight(w: Tensor | QuantizedWeight) -> Tensor | QuantizedWeight:
 # --- sample ------------------------------------------------------------------------------------
 
 
+def _flat_ids(per_row: list[np.ndarray], vocab: int) -> np.ndarray:
+    """``row * V + id`` of every token id of every row, for scattering into a flat ``[S * V]``."""
+    parts = [np.zeros(0, dtype=np.int64)]
+    for i, ids in enumerate(per_row):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        # An id out of range would land silently in a neighbouring row.
+        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"row {i} has a token id outside the vocabulary of {vocab}")
+        parts.append(ids + i * vocab)
+    return np.concatenate(parts)
+
+
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Repetition, then frequency and presence penalties (float32 ``[S, V]`` in and out).
 
@@ -372,16 +427,8 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """
     num_rows, vocab = logits.shape
     place = logits.place
-    out_flat = np.concatenate(
-        [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.output_token_ids)]
-        or [np.zeros(0, np.int64)]
-    )
-    prompt_flat = np.concatenate(
-        [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.prompt_token_ids)]
-        or [np.zeros(0, np.int64)]
-    )
-    ids, counts = np.unique(out_flat, return_counts=True)
-    seen = np.union1d(ids, prompt_flat)
+    ids, counts = np.unique(_flat_ids(batch.output_token_ids, vocab), return_counts=True)
+    seen = np.union1d(ids, _flat_ids(batch.prompt_token_ids, vocab))
 
     def dense(index: np.ndarray, values: np.ndarray, fill: float) -> Tensor:
         base = paddle.full([num_rows * vocab], fill, dtype=_F32)
@@ -400,8 +447,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     num_rows, vocab = x.shape
-    flat = [np.asarray(t, dtype=np.int64) + i * vocab for i, t in enumerate(batch.suppress_token_ids)]
-    index = np.unique(np.concatenate(flat)) if flat else np.zeros(0, np.int64)
+    index = np.unique(_flat_ids(batch.suppress_token_ids, vocab))
     if not len(index):
         return x
     values = paddle.full([len(index)], float("-inf"), dtype=_F32)
@@ -423,20 +469,26 @@ def _row_sum(x: Tensor) -> Tensor:
     return paddle.sum(partial.reshape([rows, -1]), axis=-1, keepdim=True)
 
 
-def _nucleus_head(probs: Tensor, top_p: Tensor, active: np.ndarray, width: int) -> Tensor:
+def _nucleus_head(
+    probs: Tensor, top_p: Tensor, active: np.ndarray, head: Tensor | None = None
+) -> Tensor:
     """The leading, descending part of each row of ``probs`` that holds its top-p nucleus.
 
     A full sort over the vocabulary is slow on CPU (milliseconds a row), and the nucleus is
-    almost always among the few hundred most likely tokens: take the top ``width`` and widen
-    only while some row's head holds less than its ``top_p``.
+    almost always among the few hundred most likely tokens: try ``head`` (the top-k survivors,
+    when given), then the top 256, widening only while some active row's head holds less than
+    its ``top_p``.
     """
     vocab = probs.shape[1]
+    width = 256 if head is None else head.shape[1]
     while width < vocab:
-        head, _ = paddle.topk(probs, width, axis=-1)
+        if head is None:
+            head, _ = paddle.topk(probs, width, axis=-1)
         # The head's own running sum, as the full cumulative sum would compute it.
         mass = paddle.cumsum(head, axis=-1)[:, -1:]
         if np.all((mass >= top_p).numpy().reshape(-1) | ~active):
             return head
+        head = None
         width *= 8
     return paddle.sort(probs, axis=-1, descending=True)
 
@@ -452,6 +504,7 @@ def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
 
     top_k = batch.top_k[rows]
     limited = (top_k > 0) & (top_k < vocab)
+    best = None  # the top-k values of z, best first, masked like z
     if limited.any():
         best, _ = paddle.topk(z, int(top_k[limited].max()), axis=-1)
         kth = paddle.take_along_axis(
@@ -459,14 +512,17 @@ def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
         )
         kth = paddle.where(_upload(limited[:, None], place), kth, paddle.full_like(kth, -np.inf))
         z = paddle.where(z >= kth, z, paddle.full_like(z, -np.inf))
+        best = paddle.where(best >= kth, best, paddle.full_like(best, -np.inf))
     weights = paddle.exp(z)
 
     nucleus = batch.top_p[rows] < 1
     if nucleus.any():
-        probs = weights / _row_sum(weights)
+        total = _row_sum(weights)
+        probs = weights / total
         top_p = column(batch.top_p)
-        width = int(top_k[limited].max()) if limited[nucleus].all() else 256
-        ordered = _nucleus_head(probs, top_p, nucleus, width)
+        # Top-k on every top-p row: its sorted survivors are already the head to search.
+        head = paddle.exp(best) / total if best is not None and limited[nucleus].all() else None
+        ordered = _nucleus_head(probs, top_p, nucleus, head)
         before = paddle.concat(
             [paddle.zeros([len(rows), 1], dtype=_F32), paddle.cumsum(ordered, axis=-1)[:, :-1]],
             axis=-1,
@@ -504,18 +560,19 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     if any(len(t) for t in batch.suppress_token_ids):
         x = _suppress(x, batch)
 
-    if greedy.all():  # the common fast path: no sorting, no noise, no host round trip
+    if greedy.all():  # the common fast path: no sorting, no noise
         tokens = paddle.argmax(x, axis=-1, keepdim=True)
+        token_ids = tokens.numpy().reshape(-1).astype(np.int64)
     else:
         rows = np.flatnonzero(~greedy)
         sub = x if len(rows) == num_rows else paddle.gather(x, _upload(rows, x.place))
         weights = _draw_weights(sub, batch, rows)
         noise = _upload(_noise(batch, rows, vocab), x.place)
-        host = np.zeros(num_rows, dtype=np.int64)
-        host[rows] = paddle.argmax(weights / noise, axis=-1).numpy()
+        token_ids = np.zeros(num_rows, dtype=np.int64)
+        token_ids[rows] = paddle.argmax(weights / noise, axis=-1).numpy()
         if greedy.any():
-            host[greedy] = paddle.argmax(x, axis=-1).numpy()[greedy]
-        tokens = _upload(host[:, None], x.place)
+            token_ids[greedy] = paddle.argmax(x, axis=-1).numpy()[greedy]
+        tokens = _upload(token_ids[:, None], x.place)
 
     chosen = paddle.take_along_axis(raw, tokens, axis=-1)
     # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU.
@@ -533,7 +590,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         top_ids_host = np.zeros((num_rows, 0), dtype=np.int64)
         top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
     return SampleOutput(
-        token_ids=tokens.numpy().reshape(-1).astype(np.int64),
+        token_ids=token_ids,
         logprobs=(chosen - lse).numpy().reshape(-1),
         ranks=ranks.numpy().reshape(-1).astype(np.int64),
         top_ids=top_ids_host,
