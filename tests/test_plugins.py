@@ -66,6 +66,23 @@ def test_failures_are_reported_and_cpu_keeps_working(site):
         reg.platform("nonexistent")
 
 
+@pytest.mark.oracle
+def test_cpu_generates_while_broken_backends_are_installed(site, tmp_path):
+    pytest.importorskip("transformers")
+    from fd_core import LLM, SamplingParams
+    from fd_core.plugins import get_registry
+    from tests import checkpoints
+
+    registry = get_registry(refresh=True)  # discovery sees the broken packages
+    try:
+        assert {r.name for r in registry.failures()} >= {"broken", "oldapi"}
+        llm = LLM(model=str(checkpoints.make_llama(tmp_path)), device="cpu", num_kv_blocks=16, max_model_len=64)
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        get_registry(refresh=True)
+
+
 def test_allowlist(site, monkeypatch):
     monkeypatch.setenv("FD_BACKENDS", "cpu")
     reg = BackendRegistry()
@@ -114,3 +131,15 @@ def test_fd_backends_cli_reports_everything(site):
     assert text.returncode == 0
     assert "device cpu: type cpu, runtime paddle, 1 device(s)" in text.stdout
     assert "reason: import failed" in text.stdout
+
+
+def test_fd_doctor_prints_the_chosen_table(site):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    out = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "toy",
+                          "--op", "attention=reference"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert "toy-silu" in lines["silu_and_mul"] and "pinned by the user" in lines["attention"]
+    bad = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "broken"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "libvendor_runtime.so" in bad.stderr and "Traceback" not in bad.stderr

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from typing import Iterable
-
 import numpy as np
 
 from fd_core.engine import detokenizer
@@ -229,7 +226,7 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs, finished)
 
-    def run(self, request_ids: Iterable[str] | None = None, progress=None) -> dict[str, RequestOutput]:
+    def run(self, progress=None) -> dict[str, RequestOutput]:
         """Step until every request is done; returns the final output of each."""
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
@@ -242,6 +239,3 @@ class LLMEngine:
 
     def kv_usage(self) -> float:
         return self.pool.usage()
-
-    def now(self) -> float:
-        return time.monotonic()

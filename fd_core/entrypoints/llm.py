@@ -116,6 +116,10 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
             done = self.engine.run(progress=bar)
+        except BaseException:
+            for rid in ids:  # an interrupted call leaves no half-run request holding KV blocks
+                self.engine.abort_request(rid)
+            raise
         finally:
             bar.close()
         return [done[rid] for rid in ids]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -289,23 +290,43 @@ def load_tokenizer(
 # -- the checkpoint ---------------------------------------------------------------------------
 
 
+@dataclass
+class SafetensorsFolder:
+    """What HF-layout and Paddle-layout folders share: the JSON configs, the tensors, the tokenizer."""
+
+    folder: Path
+    config_json: dict[str, Any]
+    generation: dict[str, Any]
+    architecture: str
+    tensors: SafetensorsSet
+    tokenizer: TextTokenizer
+
+    @classmethod
+    def open(cls, folder: Path) -> "SafetensorsFolder":
+        folder = Path(folder)
+        config_json = read_json(folder / "config.json")
+        generation = read_optional_json(folder / "generation_config.json")
+        return cls(folder, config_json, generation, architecture_of(config_json, folder),
+                   SafetensorsSet(folder), load_tokenizer(folder, config_json, generation))
+
+    def model_config(self, config_json: Mapping[str, Any] | None = None, **kwargs: Any) -> ModelConfig:
+        return model_config(
+            self.config_json if config_json is None else config_json,
+            self.folder,
+            architecture=self.architecture,
+            dtype=self.tensors.stored_dtype(),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            bos_token_id=self.generation.get("bos_token_id", self.tokenizer.bos_token_id),
+            **kwargs,
+        )
+
+
 def load_hf(folder: Path) -> Checkpoint:
     """A Hugging Face folder: linear weights already ``[out, in]`` and named as transformers names them."""
-    folder = Path(folder)
-    config_json = read_json(folder / "config.json")
-    generation = read_optional_json(folder / "generation_config.json")
-    architecture = architecture_of(config_json, folder)
-    tensors = SafetensorsSet(folder)
-    tokenizer = load_tokenizer(folder, config_json, generation)
-    config = model_config(
-        config_json,
-        folder,
-        architecture=architecture,
-        dtype=tensors.stored_dtype(),
-        eos_token_ids=tokenizer.eos_token_ids,
-        bos_token_id=generation.get("bos_token_id", tokenizer.bos_token_id),
-    )
+    src = SafetensorsFolder.open(folder)
+    config = src.model_config()
+    tensors = src.tensors
     found = {name: tensors.shape(name) for name in tensors.names()}
-    names = select_weights(config, found, folder)
+    names = select_weights(config, found, src.folder)
     readers = {name: (lambda name=name: tensors.read(name)) for name in names}
-    return Checkpoint(path=folder, format="hf", config=config, tokenizer=tokenizer, readers=readers)
+    return Checkpoint(path=src.folder, format="hf", config=config, tokenizer=src.tokenizer, readers=readers)

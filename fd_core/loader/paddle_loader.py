@@ -25,7 +25,7 @@ import numpy as np
 
 from fd_core.errors import CheckpointError
 from fd_core.loader.checkpoint import Checkpoint, select_weights
-from fd_core.loader.hf_loader import architecture_of, load_tokenizer, model_config, read_json, read_optional_json
+from fd_core.loader.hf_loader import SafetensorsFolder
 from fd_core.loader.safetensors_io import SafetensorsSet
 from fd_core.models.config import ModelConfig
 
@@ -131,27 +131,17 @@ def _paddle_to_hf(
 
 
 def load_paddle(folder: Path) -> Checkpoint:
-    folder = Path(folder)
-    config_json = read_json(folder / "config.json")
-    generation = read_optional_json(folder / "generation_config.json")
-    architecture = architecture_of(config_json, folder)
-    tensors = SafetensorsSet(folder)
-    names = list(tensors.names())
-    base = _base_prefix(names) or _HF_BASE
-    tokenizer = load_tokenizer(folder, config_json, generation)
+    src = SafetensorsFolder.open(folder)
+    config_json = src.config_json
+    base = _base_prefix(list(src.tensors.names())) or _HF_BASE
     if "max_position_embeddings" not in config_json and "max_sequence_length" in config_json:
         config_json = {**config_json, "max_position_embeddings": config_json["max_sequence_length"]}
     hidden, heads = config_json.get("hidden_size"), config_json.get("num_attention_heads")
-    config = model_config(
+    config = src.model_config(
         config_json,
-        folder,
-        architecture=architecture,
-        dtype=tensors.stored_dtype(),
-        eos_token_ids=tokenizer.eos_token_ids,
-        bos_token_id=generation.get("bos_token_id", tokenizer.bos_token_id),
         head_dim_default=hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None,
     )
-    shapes, all_readers = _paddle_to_hf(config, tensors, base)
-    wanted = select_weights(config, shapes, folder)
+    shapes, all_readers = _paddle_to_hf(config, src.tensors, base)
+    wanted = select_weights(config, shapes, src.folder)
     readers = {name: all_readers[name] for name in wanted}
-    return Checkpoint(path=folder, format="paddle", config=config, tokenizer=tokenizer, readers=readers)
+    return Checkpoint(path=src.folder, format="paddle", config=config, tokenizer=src.tokenizer, readers=readers)
