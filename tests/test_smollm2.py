@@ -33,7 +33,10 @@ def test_readme_example(llm):
 
 
 @pytest.mark.oracle
-def test_greedy_equals_transformers_on_the_gguf(llm):
+@pytest.mark.parametrize("forced", [False, True], ids=["until-eos", "64-tokens"])
+def test_greedy_equals_transformers_on_the_gguf(llm, forced):
+    """64 new tokens per prompt: either stopping at EOS as a chat would, or with EOS suppressed
+    for all 64 steps (``min_tokens`` here, ``min_new_tokens`` there) so every step is compared."""
     pytest.importorskip("transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,16 +48,19 @@ def test_greedy_equals_transformers_on_the_gguf(llm):
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     hf.eval()
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    ours = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64 if forced else 0)
+    ours = llm.chat(conversations, params, use_tqdm=False)
     for conv, out in zip(conversations, ours):
         ids = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
         if hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         assert list(ids) == out.prompt_token_ids, "chat template / tokenizer differ from transformers"
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
-                              eos_token_id=sorted(llm.engine.eos_token_ids), pad_token_id=2)
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64 if forced else 0,
+                              do_sample=False, eos_token_id=sorted(llm.engine.eos_token_ids), pad_token_id=2)
         theirs = gen[0, len(ids):].tolist()
+        if forced:
+            assert len(theirs) == 64
         assert out.outputs[0].token_ids == theirs, f"prompt {conv[0]['content']!r} diverged"
 
 
