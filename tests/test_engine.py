@@ -9,7 +9,6 @@ pytest.importorskip("transformers")  # the checkpoint is built with transformers
 
 from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.engine import detokenizer  # noqa: E402
-from fd_core.engine.sequence import Sequence  # noqa: E402
 from tests import checkpoints  # noqa: E402
 
 
@@ -69,12 +68,10 @@ def test_incremental_detokenization_equals_full_decode(model_dir):
     tok = llm.get_tokenizer()
     text = "naïve café 東京 🎉 — ok\n  done"
     ids = tok.encode(text, add_special_tokens=False)
-    seq = Sequence(seq_id=0, request_id="r", index=0, prompt_token_ids=[5, 6], params=SamplingParams(),
-                   seed=0, arrival=0)
-    detokenizer.start(seq)
+    state = detokenizer.TextState([5, 6], SamplingParams())
     pieces = []
     for t in ids:
-        seq.output_token_ids.append(t)
-        pieces.append(detokenizer.append_text(tok, seq))
-    assert "".join(pieces) == seq.text == tok.decode(ids)
+        state.output_token_ids.append(t)
+        pieces.append(detokenizer.append_text(tok, state))
+    assert "".join(pieces) == state.text == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)

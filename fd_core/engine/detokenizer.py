@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string handling.
+"""Incremental detokenization and stop-string handling, in the front end.
 
 Text is produced by decoding a short window of recent tokens and emitting only what the newest
 token added, so the cost per token is constant and multi-token characters (UTF-8 split across
@@ -7,7 +7,9 @@ byte-level tokens) are emitted only once complete.
 
 from __future__ import annotations
 
-from fd_core.engine.sequence import Sequence
+from dataclasses import dataclass, field
+
+from fd_core.engine.sampling_params import SamplingParams
 from fd_core.loader.tokenizer_api import Tokenizer
 
 # How many tokens before the unread ones are decoded again for context: enough for any
@@ -15,41 +17,56 @@ from fd_core.loader.tokenizer_api import Tokenizer
 _CONTEXT = 6
 
 
-def start(seq: Sequence) -> None:
-    """Point the decoder just past the prompt (the prompt text is never part of the output)."""
-    n = len(seq.prompt_token_ids)
-    seq.prefix_offset = max(0, n - _CONTEXT)
-    seq.read_offset = n
+@dataclass
+class TextState:
+    """The text side of one output sequence."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        # the prompt text is never part of the output: start decoding just past it
+        n = len(self.prompt_token_ids)
+        self.prefix_offset = max(0, n - _CONTEXT)
+        self.read_offset = n
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
 
-def append_text(tokenizer: Tokenizer, seq: Sequence) -> str:
-    """Decode the newest token of ``seq`` into ``seq.text``; returns the text it added."""
-    tokens = seq.tokens
-    skip = seq.params.skip_special_tokens
-    before = tokenizer.decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
-    after = tokenizer.decode(tokens[seq.prefix_offset :], skip_special_tokens=skip)
+def append_text(tokenizer: Tokenizer, state: TextState) -> str:
+    """Decode the newest token of ``state`` into ``state.text``; returns the text it added."""
+    tokens = state.tokens
+    skip = state.params.skip_special_tokens
+    before = tokenizer.decode(tokens[state.prefix_offset : state.read_offset], skip_special_tokens=skip)
+    after = tokenizer.decode(tokens[state.prefix_offset :], skip_special_tokens=skip)
     if after.endswith("\ufffd") or len(after) <= len(before):
         return ""  # an incomplete character, or a token that renders as nothing yet
     new = after[len(before) :]
-    seq.prefix_offset = max(seq.read_offset, len(tokens) - _CONTEXT)
-    seq.read_offset = len(tokens)
-    seq.text += new
+    state.prefix_offset = max(state.read_offset, len(tokens) - _CONTEXT)
+    state.read_offset = len(tokens)
+    state.text += new
     return new
 
 
-def find_stop(seq: Sequence, new_text_len: int) -> str | None:
+def find_stop(state: TextState, new_text_len: int) -> str | None:
     """If a stop string now appears in the output, cut the text there and return it.
 
     Only the tail that could contain a new match is searched: the new text plus one stop
     string's length before it."""
-    stops = seq.params.stop_strings
+    stops = state.params.stop_strings
     if not stops or not new_text_len:
         return None
     for stop in stops:
-        begin = max(0, len(seq.text) - new_text_len - len(stop) + 1)
-        at = seq.text.find(stop, begin)
+        begin = max(0, len(state.text) - new_text_len - len(stop) + 1)
+        at = state.text.find(stop, begin)
         if at != -1:
-            end = at + len(stop) if seq.params.include_stop_str_in_output else at
-            seq.text = seq.text[:end]
+            end = at + len(stop) if state.params.include_stop_str_in_output else at
+            state.text = state.text[:end]
             return stop
     return None

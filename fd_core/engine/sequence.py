@@ -1,10 +1,9 @@
-"""Sequence: one stream of tokens being generated, and the Request that owns ``n`` of them."""
+"""Sequence: one stream of tokens the engine core is generating."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from fd_core.engine.sampling_params import SamplingParams
 
@@ -17,7 +16,7 @@ class Status(enum.Enum):
 
 @dataclass
 class Sequence:
-    """The unit the scheduler and block pool work on.
+    """The unit the scheduler and block pool work on; a request with ``n`` outputs has ``n``.
 
     ``num_computed`` counts tokens whose K/V are in the cache. A step computes
     ``tokens[num_computed : num_computed + k]``; when that reaches the end of ``tokens`` the step
@@ -37,14 +36,7 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_reason: Any = None
     max_tokens: int = 16
-    # detokenizer state
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Any]] = field(default_factory=list)
     num_preemptions: int = 0
 
     @property
@@ -58,16 +50,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)

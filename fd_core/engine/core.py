@@ -1,0 +1,224 @@
+"""EngineCore: scheduler + model runner over token ids. No text: tokenization, detokenization
+and stop strings belong to the front end (``output_processor``), so that in ``fd serve`` the
+HTTP process does that work and the core process only computes.
+
+Runtime-free: it reaches the chip only through the Platform (Memory, op table) and the shared
+ModelRunner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fd_core.engine.block_pool import BlockPool
+from fd_core.engine.config import GiB, EngineConfig
+from fd_core.engine.model_runner import ModelRunner, StepResult
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.engine.scheduler import Scheduler
+from fd_core.engine.sequence import Sequence, Status
+from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from fd_core.interfaces import Platform
+
+log = logging.getLogger("fd.engine")
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd constant so seed+index streams do not collide
+
+
+@dataclass
+class CoreOutput:
+    """What one step produced for one sequence: its new token (and its log-probabilities), and
+    whether the core ended the sequence (EOS, a stop token id, max_tokens, max_model_len)."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)  # when logprobs were asked for
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
+                 max_num_batched_tokens: int, chunked_prefill: bool) -> None:
+    """Reject a prompt the engine could never run, with the reason. Used by every front end
+    before a request is queued, and by the core itself."""
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    if any(t < 0 or t >= vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+            f"max_model_len={max_model_len}"
+        )
+    if not chunked_prefill and len(token_ids) > max_num_batched_tokens:
+        raise PromptTooLongError(
+            f"the prompt has {len(token_ids)} tokens, more than max_num_batched_tokens="
+            f"{max_num_batched_tokens}, and chunked prefill is off"
+        )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
+        from fd_core.loader import load_checkpoint, resolve_model
+        from fd_core.models import build_model
+        from fd_core.plugins import get_registry
+
+        config.validate()
+        registry = registry or get_registry()
+        self.platform = platform or registry.platform(config.device)
+        self.capabilities = self.platform.capabilities()
+        config.check_against(self.platform.name, self.capabilities)
+        self.config = config
+
+        checkpoint = load_checkpoint(resolve_model(config.model))
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        model_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ConfigError(
+                f"--max-model-len {config.max_model_len} exceeds the model's context length {model_len}"
+            )
+        self.max_model_len = config.max_model_len or model_len
+
+        self.memory = self.platform.memory(0)
+        self.ops = registry.op_table(
+            self.platform,
+            context={"dtype": config.dtype, "head_dim": self.model_config.head_dim, "quantization": None},
+            pins=config.op_pins,
+        )
+        model = build_model(self.model_config, self.ops, self.memory, self.max_model_len, config.dtype)
+        model.load_weights(checkpoint.weights())
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.runner = ModelRunner(model, self.ops, self.memory, config.block_size, self.eos_token_ids,
+                                  self.platform.runner_hooks())
+
+        num_blocks = self._num_kv_blocks()
+        if (num_blocks - 1) * config.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {(num_blocks - 1) * config.block_size} tokens, fewer than "
+                f"max_model_len={self.max_model_len}; give it more memory (kv_cache_memory_gb / "
+                f"num_kv_blocks) or lower max_model_len"
+            )
+        self.runner.initialize_kv_cache(num_blocks, config.dtype)
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.seqs: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+
+    def _num_kv_blocks(self) -> int:
+        c, m = self.config, self.model_config
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        dtype_bytes = 2 if c.dtype in ("bfloat16", "float16") else 4
+        per_block = 2 * m.num_hidden_layers * c.block_size * m.num_key_value_heads * m.head_dim * dtype_bytes
+        budget = c.kv_cache_memory_gb * GiB
+        free, _ = self.memory.memory_info()
+        if free:
+            budget = min(budget, free // 2)
+        return max(2, int(budget // per_block))
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        check_prompt(token_ids, self.model_config.vocab_size, self.max_model_len,
+                     self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = [int(t) for t in token_ids]
+        self.check_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=i,
+                prompt_token_ids=token_ids, params=params,
+                seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
+                max_tokens=max_tokens,
+            )
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.seqs[request_id] = seqs
+        self.stats["prompt_tokens"] += len(token_ids) * params.n
+
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Stop one sequence of a request (``index``) or all of them, freeing their blocks."""
+        seqs = self.seqs.get(request_id, [])
+        for seq in seqs:
+            if (index is None or seq.index == index) and not seq.finished:
+                self.scheduler.abort(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        if all(s.finished for s in seqs):
+            self.seqs.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seqs)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        """Run one scheduled step; return one CoreOutput per sequence that sampled a token."""
+        out = self.scheduler.schedule()
+        self.stats["preemptions"] += len(out.preempted)
+        if not out.scheduled:
+            if self.scheduler.has_work() and not out.preempted:
+                raise RuntimeError("the scheduler made no progress; this is a bug in fd")
+            return []
+        result = self.runner.execute(out.scheduled)
+        self.stats["steps"] += 1
+        for s in out.scheduled:
+            s.seq.num_computed += s.num_new
+        return self._apply(result)
+
+    def _apply(self, result: StepResult) -> list[CoreOutput]:
+        if result.output is None:
+            return []
+        o = result.output
+        outputs = []
+        for row, s in enumerate(result.sampled):
+            seq = s.seq
+            token = int(o.token_ids[row])
+            seq.output_token_ids.append(token)
+            self.stats["generation_tokens"] += 1
+            k = seq.params.logprobs or 0
+            top = [(int(t), float(lp)) for t, lp in zip(o.top_ids[row][:k], o.top_logprobs[row][:k])]
+            output = CoreOutput(seq.request_id, seq.index, token, float(o.logprobs[row]), int(o.ranks[row]), top)
+            self._check_finish(seq, token, output)
+            outputs.append(output)
+        return outputs
+
+    def _check_finish(self, seq: Sequence, token: int, output: CoreOutput) -> None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        reason = None
+        if n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif n_out >= p.min_tokens and p.stop_token_ids and token in p.stop_token_ids:
+            reason, output.stop_reason = "stop", token
+        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.status, seq.finish_reason, output.finish_reason = Status.FINISHED, reason, reason
+            self.scheduler.finish(seq)
+            if all(s.finished for s in self.seqs[seq.request_id]):
+                self.seqs.pop(seq.request_id, None)
+
+    def kv_usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,119 @@
+"""OutputProcessor: turns the core's token-level outputs into RequestOutputs with text.
+
+It lives in the front end (the HTTP process in ``fd serve``, the caller's process for the
+offline ``LLM``): detokenization, stop strings and the decoded form of logprobs happen here.
+A stop string ends a sequence on this side, so the processor reports which sequences the
+core should abort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fd_core.engine import detokenizer
+from fd_core.engine.core import CoreOutput
+from fd_core.engine.detokenizer import TextState
+from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.loader.tokenizer_api import Tokenizer
+
+
+@dataclass
+class _Output:
+    state: TextState
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    outputs: list[_Output]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _Request] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        outputs = [_Output(TextState(prompt_token_ids, params)) for _ in range(params.n)]
+        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, params, outputs)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; returns its last state with unfinished outputs marked ``abort``."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for o in request.outputs:
+            if o.finish_reason is None:
+                o.finish_reason = "abort"
+        return self._snapshot(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one step's outputs. Returns the outputs of requests that changed, and the
+        ``(request_id, index)`` sequences a stop string ended, which the core must abort."""
+        touched: dict[str, _Request] = {}
+        to_abort: list[tuple[str, int]] = []
+        for co in core_outputs:
+            request = self.requests.get(co.request_id)
+            if request is None:
+                continue  # aborted here while the core was still computing it
+            out = request.outputs[co.index]
+            if out.finish_reason is not None:
+                continue
+            state = out.state
+            state.output_token_ids.append(co.token_id)
+            out.cumulative_logprob += co.logprob
+            if request.params.logprobs is not None:
+                out.logprobs.append(self._logprobs(co))
+            new_text = detokenizer.append_text(self.tokenizer, state)
+            if co.finish_reason is not None:
+                out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
+            elif len(state.output_token_ids) >= request.params.min_tokens:
+                stop = detokenizer.find_stop(state, len(new_text))
+                if stop is not None:
+                    out.finish_reason, out.stop_reason = "stop", stop
+                    to_abort.append((co.request_id, co.index))
+            touched[co.request_id] = request
+        results = []
+        for rid, request in touched.items():
+            results.append(self._snapshot(request))
+            if request.finished:
+                self.requests.pop(rid, None)
+        return results, to_abort
+
+    def _logprobs(self, co: CoreOutput) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        entry = {co.token_id: Logprob(co.logprob, co.rank, decode([co.token_id], skip_special_tokens=False))}
+        for rank, (tid, lp) in enumerate(co.top, start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, rank, decode([tid], skip_special_tokens=False))
+        return entry
+
+    @staticmethod
+    def _snapshot(request: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=i, text=o.state.text, token_ids=list(o.state.output_token_ids),
+                cumulative_logprob=o.cumulative_logprob,
+                logprobs=list(o.logprobs) if request.params.logprobs is not None else None,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+            )
+            for i, o in enumerate(request.outputs)
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
+                             request.finished)
