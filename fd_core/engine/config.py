@@ -14,10 +14,10 @@ GiB = 1 << 30
 class EngineConfig:
     """Names follow FastDeploy's / vLLM's flags.
 
-    KV-cache size: ``num_kv_blocks`` if given; otherwise ``kv_cache_memory_gb`` GiB on a device
-    whose memory the engine may take as it likes (the CPU; default 2 GiB, capped at half the free
-    RAM); on an accelerator, ``gpu_memory_utilization`` of the device memory minus what the
-    model occupies after a profiling pass (accelerator backends).
+    KV-cache size: ``num_kv_blocks`` if given; on a backend with ``memory_profiling``,
+    ``gpu_memory_utilization`` (default 0.9) of the device memory minus what the model occupies
+    after a profiling pass; otherwise ``kv_cache_memory_gb`` GiB (default 2, capped at half the
+    free host RAM) — the CPU backend's way.
     """
 
     model: str
@@ -29,11 +29,12 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # default 0.9 where the backend profiles memory
     enable_chunked_prefill: bool = True
     seed: int = 0
     op_pins: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
+    quantization: str | None = None
 
     def validate(self) -> None:
         def positive(name: str) -> None:
@@ -50,7 +51,7 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if not 0 < self.kv_cache_memory_gb:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def check_against(self, backend: str, caps: Capabilities) -> None:
@@ -66,6 +67,16 @@ class EngineConfig:
             raise ConfigError(
                 f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend has no "
                 f"collective library"
+            )
+        if self.quantization is not None and self.quantization not in caps.quantization:
+            have = ", ".join(sorted(caps.quantization)) or "none"
+            raise ConfigError(
+                f"--quantization {self.quantization}: the {backend} backend supports {have}"
+            )
+        if self.gpu_memory_utilization is not None and not caps.memory_profiling:
+            raise ConfigError(
+                f"--gpu-memory-utilization: the {backend} backend does not size the KV cache from "
+                f"free device memory; use --kv-cache-memory-gb"
             )
         if self.enable_chunked_prefill and not caps.chunked_prefill:
             raise ConfigError(

@@ -75,10 +75,70 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, with FastDeploy's / vLLM's names, shared by serve, generate and chat."""
+    from fd_core.loader import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a local .gguf file, model folder, or known name")
+    p.add_argument("--device", default="auto", help="auto, cpu, or any installed backend (see fd backends)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of device memory for weights + KV cache (backends that profile memory)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
+                   help="KV-cache size in GiB where the backend does not profile memory (the CPU)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV-cache size in blocks")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
+
+
+def engine_config(args: argparse.Namespace):
+    from fd_core.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, op_pins=_pins(args.op),
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from fd_server.launch import serve
+
+    api_key = args.api_key or os.environ.get("FD_API_KEY")
+    return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 api_key=api_key, max_concurrency=args.max_concurrency)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from fd_core.bench import serve as bench
+
+    return bench.run(args)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from fd_core.entrypoints.chat import chat_local, chat_remote
+
+    if args.base_url:
+        return chat_remote(args.base_url, args.api_key, args.model_name, args.max_tokens, args.temperature)
+    return chat_local(engine_config(args), args.max_tokens, args.temperature)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from fd_core import LLM, SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, max_model_len=args.max_model_len, op_pins=_pins(args.op))
+    llm = LLM.from_config(engine_config(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
@@ -110,8 +170,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fd_core.loader import DEFAULT_MODEL
-
     parser = _Parser(prog="fd", description="fd: LLM serving on any accelerator")
     parser.add_argument("--version", action="version", version=f"fd {__version__} (plugin API {API_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,15 +186,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate one completion offline")
     p.add_argument("prompt")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default="auto")
+    add_engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8180)
+    p.add_argument("--api-key", default=None, help="require this bearer token (default: $FD_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight before 429")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="interactive chat with a running server (--base-url) or a local model")
+    add_engine_args(p)
+    p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8180; omit to load --model here")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model-name", default=None, help="model name to ask the server for (default: its first)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    b = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible endpoint")
+    try:
+        from fd_core.bench import serve as bench
+
+        bench.add_arguments(b)
+    except ImportError:  # the load generator is optional until it lands
+        pass
+    b.set_defaults(func=cmd_bench_serve)
     return parser
 
 

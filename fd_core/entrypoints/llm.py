@@ -30,6 +30,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        fields = {k: v for k, v in vars(config).items() if k != "model"}
+        return cls(model=config.model, **fields)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -24,6 +24,9 @@ class Capabilities:
     pinned_host_memory: bool = False
     device_count: int = 1
     memory_query: bool = False  # can report free/total device memory
+    # can size the KV cache from free device memory after a profiling forward
+    # (--gpu-memory-utilization); without it the cache is sized by --kv-cache-memory-gb
+    memory_profiling: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -1,0 +1,51 @@
+"""The `fd` command line: engine flags, start-up refusals, generate and chat (local)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fd_core.entrypoints.cli import build_parser, engine_config
+
+
+def fd(*args: str, stdin: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_flags_accept_fastdeploy_and_vllm_spellings():
+    dashed = build_parser().parse_args(["serve", "--max-num-seqs", "4", "--max-model-len=256", "--port", "9"])
+    under = build_parser().parse_args(["serve", "--max_num_seqs", "4", "--max_model_len=256", "--port", "9"])
+    assert vars(dashed) == vars(under)
+    cfg = engine_config(under)
+    assert (cfg.max_num_seqs, cfg.max_model_len) == (4, 256)
+    assert build_parser().parse_args(["serve"]).port == 8180
+    assert not engine_config(build_parser().parse_args(["serve", "--no-enable-chunked-prefill"])).enable_chunked_prefill
+
+
+@pytest.mark.parametrize("flag, message", [
+    (["--quantization", "wint8"], "--quantization wint8: the cpu backend supports none"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the cpu backend"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: the cpu backend"),
+    (["--dtype", "bfloat16"], "--dtype bfloat16: the cpu backend"),
+])
+def test_flags_the_backend_cannot_honour_fail_at_start_up(flag, message):
+    out = fd("generate", "hi", "--device", "cpu", *flag, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.oracle
+def test_generate_and_local_chat(tmp_path):
+    pytest.importorskip("transformers")
+    from tests import checkpoints
+
+    model = str(checkpoints.make_llama(tmp_path))
+    out = fd("generate", "hello there", "--model", model, "--max-tokens", "5", "--num-kv-blocks", "32")
+    assert out.returncode == 0, out.stderr
+    chat = fd("chat", "--model", model, "--max-tokens", "5", "--num-kv-blocks", "32",
+              stdin="hi\n/reset\nagain\n/exit\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("assistant> ") == 2
