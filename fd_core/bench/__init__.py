@@ -1,0 +1,1 @@
+"""Benchmarks that ship with fd; ``fd bench serve`` loads an OpenAI-compatible server over HTTP."""

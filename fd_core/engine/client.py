@@ -1,0 +1,346 @@
+"""AsyncEngineClient: the HTTP process's handle on the engine-core process.
+
+The core process (``core_process``) computes token ids; this side owns the tokenizer and the
+OutputProcessor (detokenization, stop strings), so text work never competes with the model for
+the core's GIL. One asyncio task reads the core's messages and routes each step's outputs to the
+``generate`` calls waiting on them; another watches the process, so a dead core fails every
+caller at once instead of leaving it waiting.
+
+Requests get a fresh id on the wire: outputs of an aborted request still in flight can then
+never be mistaken for a later request that reuses its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from fd_core import errors
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.core import CoreOutput, check_prompt
+from fd_core.engine.core_process import (
+    Abort, AddRequest, ClientMessage, CoreMessage, Failed, Ready, Shutdown, Stats, StepOutputs,
+    params_to_wire, run_core,
+)
+from fd_core.engine.output_processor import OutputProcessor
+from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import BackendError, EngineDeadError, FdError, InvalidRequestError
+from fd_core.loader.tokenizer_api import Tokenizer
+
+log = logging.getLogger("fd.engine")
+
+_WATCH_S = 0.1  # how often the process is checked for life
+_SHUTDOWN_GRACE_S = 5.0  # a core that has not exited this long after Shutdown is terminated
+
+
+def _rebuild_error(error_type: str, message: str, fallback: type[FdError]) -> FdError:
+    """The core's error as the same fd error type, else ``fallback`` naming the original type."""
+    cls = getattr(errors, error_type, None)
+    if isinstance(cls, type) and issubclass(cls, FdError):
+        return cls(message)
+    return fallback(f"{error_type}: {message}")
+
+
+@dataclass
+class _Stream:
+    """One ``generate`` call: what the reader task has for it, in order."""
+
+    request_id: str
+    wire_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | Exception
+    done: bool = False
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        # use ``await AsyncEngineClient.start(config)``; this only sets the fields
+        self.config = config
+        self.tokenizer: Tokenizer | None = None  # loaded in this process, for the front end
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._proc = None
+        self._dir = tempfile.mkdtemp(prefix="fd-")
+        self._ctx = zmq.asyncio.Context()
+        self._in_address = f"ipc://{self._dir}/input"
+        self._out_address = f"ipc://{self._dir}/output"
+        # Sends are synchronous and never block (no high-water mark), so an abort can go out
+        # from a generator's ``finally`` even while it is being closed or cancelled.
+        self._sender = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
+        self._sender.setsockopt(zmq.SNDHWM, 0)
+        self._sender.setsockopt(zmq.LINGER, 0)
+        self._sender.bind(self._in_address)
+        self._receiver = self._ctx.socket(zmq.PULL)
+        self._receiver.setsockopt(zmq.LINGER, 0)
+        self._receiver.bind(self._out_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._processor: OutputProcessor | None = None
+        self._streams: dict[str, _Stream] = {}  # by the caller's request id
+        self._by_wire_id: dict[str, _Stream] = {}
+        self._wire_ids = itertools.count()
+        self._stats = Stats()
+        self._dead_reason: str | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+        self._core_failed = False  # the core reported a start-up error and is exiting
+
+    # -- start-up --------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, config: EngineConfig, start_timeout: float = 900.0) -> "AsyncEngineClient":
+        """Spawn the engine-core process and wait until its model is loaded.
+
+        A start-up failure in the core is raised here as the same fd error type with the core's
+        message; a core that is not ready within ``start_timeout`` seconds raises BackendError.
+        """
+        self = cls(config)
+        try:
+            ctx = multiprocessing.get_context("spawn")
+            # daemon: should the caller exit without shutdown(), multiprocessing still ends it
+            self._proc = ctx.Process(
+                target=run_core, name="fd-engine-core", daemon=True,
+                args=(config, self._in_address, self._out_address, os.getpid()),
+            )
+            self._proc.start()
+            # the tokenizer loads here while the core loads the model
+            tokenizer = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
+            try:
+                ready = await self._wait_ready(start_timeout)
+            except BaseException:
+                tokenizer.cancel()  # the core's error is the one to report
+                raise
+            self.tokenizer = await tokenizer
+        except BaseException:
+            # a core that reported its failure exits by itself; any other one is stopped now
+            await self._stop_process(ask=False, grace=2.0 if self._core_failed else 0.0)
+            self._close_sockets()
+            raise
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
+        self._processor = OutputProcessor(self.tokenizer)
+        self._tasks = [asyncio.create_task(self._read_loop(), name="fd-engine-reader"),
+                       asyncio.create_task(self._watch_loop(), name="fd-engine-watch")]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
+        return self
+
+    def _load_tokenizer(self):
+        from fd_core.loader import load_checkpoint, resolve_model
+
+        return load_checkpoint(resolve_model(self.config.model)).tokenizer
+
+    async def _wait_ready(self, timeout: float) -> Ready:
+        deadline = time.monotonic() + timeout
+        exited_at = None
+        while True:
+            if await self._receiver.poll(int(_WATCH_S * 1000)):
+                msg = self._decoder.decode(await self._receiver.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, Failed):
+                    self._core_failed = True
+                    raise _rebuild_error(msg.error_type, msg.message, BackendError)
+                continue  # nothing else comes before Ready
+            now = time.monotonic()
+            if not self._proc.is_alive():
+                # a core that failed cleanly sent why before exiting: give it a moment to arrive
+                exited_at = exited_at or now
+                if now - exited_at > 1.0:
+                    raise BackendError(
+                        f"the engine core exited with code {self._proc.exitcode} before it was ready"
+                    )
+            elif now > deadline:
+                raise BackendError(f"the engine core was not ready within {timeout:g} s")
+
+    # -- state -----------------------------------------------------------------------------
+
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._proc is not None and self._proc.is_alive()
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        """Raise InvalidRequestError / PromptTooLongError for a prompt the core would reject."""
+        check_prompt(token_ids, self.vocab_size, self.max_model_len,
+                     self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+
+    def metrics(self) -> dict:
+        """The core's latest stats (at most a heartbeat old)."""
+        return msgspec.structs.asdict(self._stats)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after every step that changed it; the last one
+        has ``finished=True``. Stopping early (break, cancellation) aborts it in the core."""
+        self._raise_if_dead()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        token_ids = [int(t) for t in prompt_token_ids]
+        stream = _Stream(request_id, str(next(self._wire_ids)))
+        self._streams[request_id] = stream
+        self._by_wire_id[stream.wire_id] = stream
+        self._processor.add_request(request_id, prompt_text, token_ids, params)
+        try:
+            self._send(AddRequest(stream.wire_id, token_ids, params_to_wire(params)))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.done:  # the caller left early, or an error came
+                self._forget(stream, abort_in_core=True)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its ``generate`` ends with a last output whose reason is ``abort``."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.done:
+            return
+        last = self._forget(stream, abort_in_core=True)
+        if last is not None:
+            stream.queue.put_nowait(last)
+
+    def _forget(self, stream: _Stream, abort_in_core: bool) -> RequestOutput | None:
+        stream.done = True
+        self._streams.pop(stream.request_id, None)
+        self._by_wire_id.pop(stream.wire_id, None)
+        if abort_in_core and self._dead_reason is None:
+            self._send(Abort(stream.wire_id), quiet=True)
+        return self._processor.abort(stream.request_id)
+
+    def _send(self, msg: ClientMessage, quiet: bool = False) -> None:
+        try:
+            self._sender.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the core is gone (no peer) or the client is closed
+            if not quiet:
+                raise EngineDeadError(f"the engine core cannot be reached ({e})") from None
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._processor is None:
+            raise EngineDeadError("the engine client was not started; use AsyncEngineClient.start")
+
+    # -- background tasks ------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._receiver.recv())
+            if isinstance(msg, StepOutputs):
+                self._stats = msg.stats
+                if msg.outputs:
+                    self._on_outputs(msg.outputs)
+            elif isinstance(msg, Failed):
+                if msg.request_id is None:
+                    self._die(f"the engine core failed: {msg.error_type}: {msg.message}")
+                    return
+                stream = self._by_wire_id.get(msg.request_id)
+                if stream is not None:
+                    self._forget(stream, abort_in_core=False)
+                    stream.queue.put_nowait(_rebuild_error(msg.error_type, msg.message, BackendError))
+
+    def _on_outputs(self, wire_outputs) -> None:
+        outputs = []
+        for w in wire_outputs:
+            stream = self._by_wire_id.get(w.request_id)
+            if stream is not None:  # else it was aborted here while the core computed it
+                outputs.append(CoreOutput(stream.request_id, w.index, w.token_id, w.logprob, w.rank,
+                                          w.top, w.finish_reason, w.stop_reason))
+        results, stopped = self._processor.process(outputs)
+        for request_id, index in stopped:  # stop strings end sequences on this side
+            self._send(Abort(self._streams[request_id].wire_id, index), quiet=True)
+        for result in results:
+            stream = self._streams[result.request_id]
+            if result.finished:
+                stream.done = True
+                self._streams.pop(stream.request_id, None)
+                self._by_wire_id.pop(stream.wire_id, None)
+            stream.queue.put_nowait(result)
+
+    async def _watch_loop(self) -> None:
+        while self._proc.is_alive():
+            await asyncio.sleep(_WATCH_S)
+        self._die(f"the engine core process exited (code {self._proc.exitcode})")
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # a bug on this side must not leave callers waiting for outputs that cannot come
+            log.error("engine client task %s failed", task.get_name(), exc_info=task.exception())
+            self._die(f"the engine client failed: {task.exception()!r}")
+
+    def _die(self, reason: str) -> None:
+        """Mark the engine dead and fail every request in flight with EngineDeadError."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        if not self._closed:
+            log.error("%s", reason)
+        for stream in list(self._streams.values()):
+            self._forget(stream, abort_in_core=False)
+            stream.queue.put_nowait(EngineDeadError(reason))
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the core process (asking first, then terminating, then killing) and fail any
+        request still in flight. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._die("the engine was shut down")
+        await self._stop_process(ask=True, grace=_SHUTDOWN_GRACE_S)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_sockets()
+
+    async def _stop_process(self, ask: bool, grace: float) -> None:
+        """Wait ``grace`` seconds for the core to exit (after asking it to, if ``ask``), then
+        terminate it, then kill it."""
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return
+        if ask:
+            self._send(Shutdown(), quiet=True)
+        if grace:
+            if await self._wait_exit(grace):
+                return
+            log.warning("the engine core did not stop within %g s; terminating it", grace)
+        proc.terminate()
+        if not await self._wait_exit(2.0):
+            proc.kill()
+            await self._wait_exit(2.0)
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._proc.is_alive():  # is_alive() reaps the process once it has exited
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def _close_sockets(self) -> None:
+        self._sender.close()
+        self._receiver.close()
+        with contextlib.suppress(zmq.ZMQError):
+            self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

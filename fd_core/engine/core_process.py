@@ -1,0 +1,251 @@
+"""The engine-core process of ``fd serve``: an EngineCore behind two ZeroMQ sockets.
+
+The HTTP process (``client.AsyncEngineClient``) tokenizes, detokenizes and talks HTTP; this
+process only schedules and computes, so neither one's GIL stalls the other. The client binds
+both sockets and spawns this process, which connects:
+
+    client PUSH --(AddRequest | Abort | Shutdown)--> core PULL
+    client PULL <--(Ready | Failed | StepOutputs)--- core PUSH
+
+Messages are msgpack-encoded ``msgspec.Struct``s sent as arrays (field names never cross).
+Every step's outputs travel with the core's current stats; an idle core sends the stats alone
+every ``HEARTBEAT_S``, so the client's metrics stay fresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("fd.engine")
+
+HEARTBEAT_S = 0.25  # idle stats interval; also how often an idle core looks for its parent
+_PARENT_CHECK_S = 1.0  # the watchdog thread's period, for a core busy in a long step
+
+
+# -- client -> core --------------------------------------------------------------------------
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams init fields that differ from the defaults
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+    index: int | None = None  # one sequence of the request, or all of them
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+ClientMessage = AddRequest | Abort | Shutdown
+
+
+# -- core -> client --------------------------------------------------------------------------
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_blocks: int
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    """An error to re-raise on the client's side: for one request when ``request_id`` is set,
+    otherwise for the whole core (at start-up, or a step that raised, after which it exits)."""
+
+    error_type: str
+    message: str
+    request_id: str | None = None
+
+
+class WireOutput(msgspec.Struct, array_like=True):
+    """A ``CoreOutput`` on the wire."""
+
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+    finish_reason: str | None
+    stop_reason: int | None
+
+
+class Stats(msgspec.Struct, array_like=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0  # blocks requests can use: the reserved block 0 is not counted
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: list[WireOutput]
+    stats: Stats
+
+
+CoreMessage = Ready | Failed | StepOutputs
+
+
+# -- SamplingParams across the boundary ------------------------------------------------------
+
+_PARAM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """The init fields of ``params`` that differ from the defaults (most requests send few)."""
+    out = {}
+    for name, default in _PARAM_DEFAULTS.items():
+        value = getattr(params, name)
+        if value != default or type(value) is not type(default):
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    # Built anew, so the core validates what it runs rather than trusting the sender.
+    return SamplingParams(**fields)
+
+
+# -- the process -----------------------------------------------------------------------------
+
+def run_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
+    """Entry point of the spawned process. Exits non-zero if start-up or a step fails."""
+    # Ctrl-C reaches the whole process group; the parent decides when this process stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(parent_pid)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, 0)
+    inbox.connect(input_address)
+    outbox = ctx.socket(zmq.PUSH)
+    # Unbounded: a slow client must never block a step (and a dead one is noticed via the pid).
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        try:
+            from fd_core.engine.core import EngineCore
+
+            core = EngineCore(config)
+            # the runtime may have hooked SIGTERM to dump a crash report; from the client it
+            # is an ordinary stop request
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except BaseException as e:  # noqa: BLE001 - every start-up failure goes to the client
+            if not isinstance(e, Exception) or type(e).__module__ != "fd_core.errors":
+                traceback.print_exc()
+            outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
+            code = 1
+            return
+        outbox.send(encoder.encode(Ready(
+            model=config.model, max_model_len=core.max_model_len,
+            vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
+            num_blocks=core.pool.capacity,
+        )))
+        try:
+            _serve(core, inbox, outbox, encoder, parent_pid)
+        except Exception as e:  # a failed step leaves the core's state unknown: report and exit
+            traceback.print_exc()
+            outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
+            code = 1
+    finally:
+        inbox.close()
+        outbox.close(linger=1000)  # let the last message (Failed, final stats) reach the client
+        ctx.term()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if code:
+            os._exit(code)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the parent dies while the main thread is busy (loading a model, a long step):
+    re-parenting changes our parent pid. The idle loop checks too, and exits cleanly."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(_PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fd-parent-watch", daemon=True).start()
+
+
+def _stats(core) -> Stats:
+    pool, s = core.pool, core.stats
+    return Stats(
+        num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
+        kv_cache_usage=pool.usage(), num_free_blocks=pool.num_free, num_blocks=pool.capacity,
+        prompt_tokens_total=s["prompt_tokens"], generation_tokens_total=s["generation_tokens"],
+        preemptions_total=s["preemptions"],
+    )
+
+
+def _wire(o) -> WireOutput:
+    return WireOutput(o.request_id, o.index, o.token_id, o.logprob, o.rank, o.top,
+                      o.finish_reason, o.stop_reason)
+
+
+def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+           parent_pid: int) -> None:
+    decoder = msgspec.msgpack.Decoder(ClientMessage)
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    last_sent = time.monotonic()
+    while True:
+        if not core.has_unfinished_requests():
+            wait = max(0.0, HEARTBEAT_S - (time.monotonic() - last_sent))
+            poller.poll(int(wait * 1000))
+            if os.getppid() != parent_pid:
+                log.warning("the engine client is gone; the engine core exits")
+                return
+        handled = 0
+        while True:  # take everything queued, without waiting
+            try:
+                frame = inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = decoder.decode(frame)
+            except msgspec.DecodeError as e:
+                log.error("dropped a malformed message: %s", e)
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            handled += 1
+            if isinstance(msg, Abort):
+                core.abort(msg.request_id, msg.index)
+                continue
+            try:
+                core.add_request(msg.request_id, msg.token_ids, params_from_wire(msg.params))
+            except Exception as e:  # this request only; the others go on
+                outbox.send(encoder.encode(Failed(type(e).__name__, str(e), msg.request_id)))
+        if core.has_unfinished_requests():
+            outputs = [_wire(o) for o in core.step()]
+        elif handled or time.monotonic() - last_sent >= HEARTBEAT_S:
+            outputs = []  # idle: stats only (and at once after an abort freed blocks)
+        else:
+            continue
+        outbox.send(encoder.encode(StepOutputs(outputs, _stats(core))))
+        last_sent = time.monotonic()

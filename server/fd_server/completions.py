@@ -1,0 +1,143 @@
+"""POST /v1/completions.
+
+A request with several prompts runs them together; choice ``index`` is
+``prompt_position * n + sample``, as with OpenAI. ``text_offset`` counts characters of the
+returned text (so, with ``echo``, the first generated token starts after the prompt).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from fd_core.engine.outputs import Logprob
+
+from fd_server import params as P
+from fd_server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from fd_server.serving import (
+    Batch,
+    ServerContext,
+    SSEResponse,
+    new_id,
+    safe_logprob,
+    sse,
+    stop_holdback,
+    token_text,
+    top_entries,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+async def create(ctx: ServerContext, body: CompletionRequest, request: Request) -> Any:
+    arrival = time.monotonic()
+    P.check_model(body, ctx.model_name)
+    client = ctx.client
+    prompts = P.completion_prompts(body, ctx.tokenizer)
+    max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    plan = []
+    for text, ids in prompts:  # everything is checked before anything is submitted
+        P.check_prompt(client, ids, "prompt")
+        sampling = P.sampling_params(
+            body, prompt_len=len(ids), max_model_len=client.max_model_len, vocab_size=client.vocab_size,
+            max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs)
+        plan.append((text, ids, sampling))
+    batch = Batch(ctx.monitor, new_id("cmpl"), arrival)
+    for text, ids, sampling in plan:
+        batch.submit(ids, sampling, text)
+    echoes = [_echo(ctx, text, ids) if body.echo else "" for text, ids in prompts]
+    if body.stream:
+        return SSEResponse(_events(ctx, body, batch, echoes), on_close=batch.close)
+    outputs = await batch.final(request)
+    choices = []
+    for p, output in enumerate(outputs):
+        for o in output.outputs:
+            choices.append(CompletionChoice(
+                index=p * body.n + o.index,
+                text=echoes[p] + o.text,
+                logprobs=_logprobs(o.token_ids, o.logprobs, body.logprobs, ctx.tokenizer, len(echoes[p])),
+                finish_reason=o.finish_reason,
+            ))
+    return CompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices, usage=_usage(outputs))
+
+
+def _echo(ctx: ServerContext, text: str | None, ids: list[int]) -> str:
+    return text if text is not None else ctx.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _usage(outputs: list[Any]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob]] | None, k: int | None, tokenizer: Any,
+              offset: int) -> CompletionLogprobs | None:
+    if k is None or steps is None:
+        return None
+    result = CompletionLogprobs()
+    for tid, step in zip(token_ids, steps):
+        entry = step.get(tid) or Logprob(float("nan"))
+        text = token_text(entry, tid, tokenizer)
+        result.tokens.append(text)
+        result.token_logprobs.append(safe_logprob(entry.logprob))
+        # as OpenAI: the k most likely, plus the sampled token when it is not among them
+        tops = {token_text(lp, t, tokenizer): safe_logprob(lp.logprob) for t, lp in top_entries(step, k)}
+        tops.setdefault(text, safe_logprob(entry.logprob))
+        result.top_logprobs.append(tops)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, echoes: list[str]) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    n = body.n
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        payload = CompletionChunk(id=batch.base_id, created=created, model=ctx.model_name, choices=choices,
+                                  usage=usage)
+        return sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    total = len(batch.streams) * n
+    sent_chars = [0] * total
+    sent_tokens = [0] * total
+    offsets = [len(echoes[i // n]) for i in range(total)]
+    finished = [False] * total
+    for i in range(total):
+        if echoes[i // n]:
+            yield chunk([CompletionChoice(index=i, text=echoes[i // n])])
+    async for changes in batch.updates():
+        for p, output in changes:
+            stops = batch.streams[p].params.stop_strings
+            for o in output.outputs:
+                i = p * n + o.index
+                if finished[i]:
+                    continue
+                done = o.finish_reason is not None
+                limit = len(o.text) if done else len(o.text) - stop_holdback(o.text, stops)
+                delta = o.text[sent_chars[i]:limit] if limit > sent_chars[i] else ""
+                new_ids = o.token_ids[sent_tokens[i]:]
+                if not (delta or done or (body.logprobs is not None and new_ids)):
+                    continue
+                steps = o.logprobs[sent_tokens[i]:] if o.logprobs is not None else None
+                lps = _logprobs(new_ids, steps, body.logprobs, ctx.tokenizer, offsets[i])
+                if lps is not None:
+                    offsets[i] += sum(len(t) for t in lps.tokens)
+                sent_chars[i] = max(sent_chars[i], limit)
+                sent_tokens[i] = len(o.token_ids)
+                finished[i] = done
+                yield chunk([CompletionChoice(index=i, text=delta, logprobs=lps, finish_reason=o.finish_reason)])
+    if include_usage:
+        yield chunk([], _usage([s.latest for s in batch.streams]))

@@ -1,0 +1,160 @@
+"""``fd serve``: start the engine-core process, serve the HTTP API with uvicorn, stop both.
+
+Exit status: 0 after a normal shutdown (SIGINT/SIGTERM: requests in flight get up to
+``GRACEFUL_SHUTDOWN_S`` to finish, then the engine is shut down); 1 when the port cannot be
+bound (checked before the engine loads) or the engine died while serving (see the lifecycle in
+``fd_server.app``: the server exits ``FD_ENGINE_DEAD_EXIT_S`` seconds, default 5, after the
+engine died, so that a supervisor restarts it). An engine that cannot start raises its fd
+error to the caller, which reports it (``fd`` prints it and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from fd_core.engine.config import EngineConfig
+
+log = logging.getLogger("fd_server")
+
+DEFAULT_DEAD_EXIT_S = 5.0
+GRACEFUL_SHUTDOWN_S = 20  # under Kubernetes' default 30 s termination grace
+ENGINE_SHUTDOWN_S = 30.0
+
+
+def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
+          api_key: str | None, max_concurrency: int | None) -> int:
+    """Run the server until it is stopped; returns the process exit status."""
+    _configure_logging()
+    api_key = api_key or os.environ.get("FD_API_KEY") or None
+    name = served_model_name or engine_config.model
+    # Bound before the engine loads (which can take minutes) so a taken port fails at once;
+    # nothing listens on it until the engine is ready, so probes see a refused connection.
+    try:
+        sock = _bind(host, port)
+    except OSError as exc:
+        log.error("fd: cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        return 1
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return asyncio.run(_serve(engine_config, sock, host, port, name, api_key, max_concurrency))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sock.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _dead_exit_s() -> float:
+    raw = os.environ.get("FD_ENGINE_DEAD_EXIT_S", "")
+    try:
+        return max(0.0, float(raw)) if raw else DEFAULT_DEAD_EXIT_S
+    except ValueError:
+        log.warning("FD_ENGINE_DEAD_EXIT_S=%r is not a number; using %s", raw, DEFAULT_DEAD_EXIT_S)
+        return DEFAULT_DEAD_EXIT_S
+
+
+async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, name: str,
+                 api_key: str | None, max_concurrency: int | None) -> int:
+    import uvicorn
+
+    from fd_core.engine.client import AsyncEngineClient
+    from fd_server.app import build_app
+
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    # Until uvicorn takes the signals over, a stop request cancels the start-up cleanly
+    # (the engine client then stops the process it was starting).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    log.info("fd: starting the engine for %s", engine_config.model)
+    try:
+        client = await AsyncEngineClient.start(engine_config)
+    except asyncio.CancelledError:
+        log.info("fd: stopped during start-up")
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    # uvicorn re-raises the signals it caught once it has stopped; with these handlers in
+    # place that re-raise is harmless and the engine below still gets shut down.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore_late_signal)
+
+    exit_code = 0
+    helpers: list[asyncio.Task[Any]] = []
+    try:
+        app = build_app(client, name, api_key=api_key, max_concurrency=max_concurrency)
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on",
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        server = uvicorn.Server(config)
+
+        async def announce() -> None:
+            while not server.started:
+                if server.should_exit:
+                    return
+                await asyncio.sleep(0.05)
+            auth = "API key required" if api_key else "no API key"
+            log.info("fd serving %s on http://%s:%d (%s)", name, host, port, auth)
+
+        async def exit_when_engine_dies() -> None:
+            nonlocal exit_code
+            await app.state.monitor.dead.wait()
+            grace = _dead_exit_s()
+            log.error("fd: the engine died; shutting the server down in %.1f s with exit status 1", grace)
+            await asyncio.sleep(grace)
+            exit_code = 1
+            server.should_exit = True
+
+        helpers = [asyncio.ensure_future(announce()), asyncio.ensure_future(exit_when_engine_dies())]
+        try:
+            await server.serve(sockets=[sock])
+        except SystemExit:  # uvicorn's way out when its start-up fails
+            log.error("fd: the HTTP server could not start")
+            return 1
+        if not server.started:
+            return 1
+        return exit_code
+    finally:
+        for task in helpers:
+            task.cancel()
+        await _shutdown(client)
+
+
+async def _shutdown(client: Any) -> None:
+    try:
+        await asyncio.wait_for(client.shutdown(), ENGINE_SHUTDOWN_S)
+    except Exception as exc:  # a dead engine may not shut down politely; nothing is left to save
+        log.warning("fd: engine shutdown: %s", exc or type(exc).__name__)
+    log.info("fd: stopped")
+
+
+def _ignore_late_signal(signum: int, _frame: Any) -> None:
+    log.debug("fd: signal %s while stopping; still shutting down the engine", signal.Signals(signum).name)
+
+
+def _configure_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("fd_server").setLevel(logging.INFO)

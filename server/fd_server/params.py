@@ -1,0 +1,151 @@
+"""From an OpenAI request to what the engine takes: prompt token ids and SamplingParams.
+
+``max_tokens``: when the client gives none, a chat request may use the rest of the context
+window and a completion request 16 tokens (OpenAI's default), cut to what fits. When the client
+gives one that does not fit beside the prompt, the request is refused (400,
+``context_length_exceeded``) as OpenAI does, rather than silently shortened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import InvalidRequestError, PromptTooLongError
+
+from fd_server.errors import APIError, bad_request
+from fd_server.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def check_model(request: SamplingFields, served_model_name: str) -> None:
+    if request.model != served_model_name:
+        raise APIError(404, f"The model {request.model!r} does not exist; this server serves {served_model_name!r}.",
+                       param="model", code="model_not_found")
+
+
+def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
+    try:
+        client.check_prompt(token_ids)
+    except PromptTooLongError as exc:
+        raise bad_request(str(exc), param=param, code="context_length_exceeded") from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=param) from exc
+
+
+def _unsupported(request: SamplingFields) -> None:
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
+    stops = request.stop if isinstance(request.stop, list) else []
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(stops)}.", param="stop")
+
+
+def sampling_params(request: SamplingFields, *, prompt_len: int, max_model_len: int, vocab_size: int,
+                    max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit)."""
+    _unsupported(request)
+    room = max_model_len - prompt_len
+    min_tokens = request.min_tokens
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        min_tokens = min(min_tokens, max_tokens)  # a default must not make a valid request invalid
+    elif max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} "
+            f"and {max_tokens} were asked for the completion. Ask for at most {room}.",
+            param="max_tokens", code="context_length_exceeded")
+    if request.stop_token_ids and any(t >= vocab_size for t in request.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab_size}.", param="stop_token_ids")
+    try:
+        return SamplingParams(
+            n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            min_p=request.min_p, presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+            seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
+            max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=request.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: text parts joined, ``None`` keys dropped."""
+    messages = []
+    for i, message in enumerate(request.messages):
+        item = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for part in message.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content: only text parts are supported, got {part.type!r}.",
+                                      param=f"messages.{i}.content")
+                texts.append(part.text)
+            item["content"] = "\n".join(texts)
+        messages.append(item)
+    return messages
+
+
+def chat_prompt(request: ChatCompletionRequest, tokenizer: Any) -> tuple[str, list[int]]:
+    if request.tools:
+        raise bad_request("tools are not supported by this server yet.", param="tools")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise bad_request(f"response_format {request.response_format.type!r} is not supported; use 'text'.",
+                          param="response_format")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
+    messages = chat_messages(request)
+    kwargs = dict(request.chat_template_kwargs or {})
+    if "chat_template" in kwargs:
+        # a template is code: clients pick variables of the model's template, not a new one
+        raise bad_request("chat_template_kwargs may not replace the chat template.", param="chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt, **kwargs)
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    except Exception as exc:  # a template failing on what this conversation holds
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
+    if not isinstance(text, str):
+        raise bad_request("The chat template did not produce text.", param="messages")
+    # the template already placed any BOS the model wants
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if not request.logprobs:
+        return None
+    return request.top_logprobs or 0
+
+
+# -- completions -----------------------------------------------------------------------------
+
+
+def completion_prompts(request: CompletionRequest, tokenizer: Any) -> list[tuple[str | None, list[int]]]:
+    """The request's prompts as (text or None, token ids), in order."""
+    if request.suffix:
+        raise bad_request("suffix is not supported by this server.", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise bad_request("best_of other than n is not supported by this server.", param="best_of")
+    if request.echo and request.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute.",
+                          param="echo")
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        items: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    if not items:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    prompts: list[tuple[str | None, list[int]]] = []
+    for item in items:
+        if isinstance(item, str):
+            prompts.append((item, list(tokenizer.encode(item, add_special_tokens=True))))
+        else:
+            prompts.append((None, list(item)))
+    return prompts

@@ -1,0 +1,177 @@
+"""What both generation endpoints share: submitting prompts, waiting for them while watching
+for a disconnect, the SSE response, and the small text/logprob helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from fd_core.engine.outputs import Logprob, RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+
+from fd_server.errors import from_exception
+from fd_server.streams import EngineMonitor, RequestStream, follow
+
+log = logging.getLogger("fd_server")
+
+# OpenAI reports impossible tokens with this instead of -inf, which JSON cannot carry
+MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+@dataclass
+class ServerContext:
+    """What the endpoint functions need, built once per app."""
+
+    client: Any
+    monitor: EngineMonitor
+    model_name: str
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.tokenizer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Batch:
+    """The engine requests of one HTTP request (one per prompt), followed together."""
+
+    def __init__(self, monitor: EngineMonitor, base_id: str, arrival: float) -> None:
+        self.monitor = monitor
+        self.base_id = base_id
+        self.notify = asyncio.Event()
+        self.streams: list[RequestStream] = []
+        self.arrival = arrival  # time.monotonic() when the request came in, for the latency metrics
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None) -> None:
+        request_id = self.base_id if not self.streams else f"{self.base_id}-{len(self.streams)}"
+        self.streams.append(self.monitor.open(request_id, prompt_token_ids, params, prompt_text,
+                                              self.notify, self.arrival))
+
+    def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        return follow(self.streams, self.notify)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    async def final(self, request: Request) -> list[RequestOutput]:
+        """Wait for every prompt to finish; abort them all if the client disconnects first."""
+
+        async def collect() -> list[RequestOutput]:
+            async for _ in self.updates():
+                pass
+            return [s.latest for s in self.streams]  # type: ignore[misc]
+
+        collecting = asyncio.ensure_future(collect())
+        watching = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if collecting.done():
+                return collecting.result()
+            raise ClientDisconnected()
+        finally:
+            collecting.cancel()
+            watching.cancel()
+            self.close()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was read already, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events whose close callbacks run however the response ends: completed,
+    failed, or cancelled because the client went away (even before the first byte)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(_guarded(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = [on_close]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for callback in self.on_close:
+                try:
+                    callback()
+                except Exception:
+                    log.exception("closing a stream failed")
+
+
+def sse(payload: Any) -> str:
+    text = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {text}\n\n"
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The status line is sent already, so a failure mid-stream becomes an error event
+    (which the openai package raises as ``APIError``) and the stream closes without [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        yield sse(json.dumps(from_exception(exc).body()))
+        return
+    yield "data: [DONE]\n\n"
+
+
+# -- text and logprobs -------------------------------------------------------------------------
+
+
+def safe_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def token_text(entry: Logprob, token_id: int, tokenizer: Any) -> str:
+    if entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens of one step, best first."""
+    ranked = [(tid, lp) for tid, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= k]
+    ranked.sort(key=lambda item: item[1].rank)  # type: ignore[arg-type, return-value]
+    return ranked
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could still become a stop string; a stream
+    holds them back so a stop string is never sent in part before it is cut."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return hold
+
+
+def token_bytes(text: str) -> list[int]:
+    # The UTF-8 of the decoded token: exact for whole characters; a token holding part of a
+    # multi-byte character decodes to U+FFFD, whose bytes are what is reported then.
+    return list(text.encode("utf-8"))

@@ -1,0 +1,668 @@
+"""fd_server against a scripted fake engine client: every error path and field mapping, fast.
+
+The fake has the interface of ``fd_core.engine.client.AsyncEngineClient``: a byte-level
+tokenizer (id = byte + 3), and a generator that writes ``"abcdefghij..."`` one character per
+token (choice ``i`` starts ``i`` letters later), honours max_tokens, stop strings, EOS-free
+generation and logprobs, and records aborts, so what the server does with each field can be
+checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import string
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import InvalidRequestError, PromptTooLongError
+from fd_server.app import build_app
+from fd_server.errors import EngineDeadError
+from fd_server.serving import stop_holdback
+
+MODEL = "fake-model"
+LETTERS = string.ascii_lowercase
+
+
+class FakeTokenizer:
+    bos_token_id = 1
+    eos_token_ids = frozenset({2})
+    vocab_size = 259
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: object) -> str:
+        if kw.get("explode"):
+            raise RuntimeError("template blew up")
+        out = ""
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise InvalidRequestError(f"unknown role {m['role']!r}")
+            out += f"<{m['role']}>{m.get('content', '')}\n"
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngineClient:
+    """Same interface as AsyncEngineClient; outputs are scripted (see the module docstring)."""
+
+    def __init__(self, max_model_len: int = 64, delay: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.vocab_size = 259
+        self.eos_token_ids = frozenset({2})
+        self.config = EngineConfig(model="/models/fake")
+        self.delay = delay
+        self.healthy = True
+        self.fail_with: BaseException | None = None
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.active: set[str] = set()
+        self.aborted: set[str] = set()  # the server may abort explicitly and by closing the iterator
+        self.generation_tokens = 0
+        self._dead: asyncio.Event | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, start_timeout: float = 900.0) -> "FakeEngineClient":
+        return cls()
+
+    def is_healthy(self) -> bool:
+        return self.healthy
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len}")
+
+    def die(self) -> None:
+        self.healthy = False
+        if self._dead is not None:
+            self._dead.set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._dead is None:
+            self._dead = asyncio.Event()
+        if not self.healthy:
+            raise EngineDeadError("engine-core process exited")
+        self.check_prompt(prompt_token_ids)
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        self.active.add(request_id)
+        finished = False
+        try:
+            if self.fail_with is not None:
+                raise self.fail_with
+            limit = min(params.max_tokens or 10**9, self.max_model_len - len(prompt_token_ids))
+            outs = [_Seq(i) for i in range(params.n)]
+            while not all(o.finish for o in outs):
+                if self.delay:
+                    try:
+                        await asyncio.wait_for(self._dead.wait(), self.delay)
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    await asyncio.sleep(0)
+                if self._dead.is_set():
+                    raise EngineDeadError("engine-core process exited")
+                for o in outs:
+                    if o.finish:
+                        continue
+                    ch = LETTERS[(o.index + len(o.ids)) % 26]
+                    o.ids.append(ord(ch) + 3)
+                    o.text += ch
+                    self.generation_tokens += 1
+                    if params.logprobs is not None:
+                        step = {o.ids[-1]: Logprob(-0.25, 1, ch)}
+                        for r in range(2, params.logprobs + 1):
+                            step[ord("A") + r + 3] = Logprob(-float(r), r, chr(ord("A") + r))
+                        o.logprobs.append(step)
+                    for stop in params.stop_strings:
+                        at = o.text.find(stop)
+                        if at != -1:
+                            o.text = o.text[:at]
+                            o.finish = "stop"
+                            break
+                    if not o.finish and len(o.ids) >= limit:
+                        o.finish = "length"
+                done = all(o.finish for o in outs)
+                yield RequestOutput(
+                    request_id, prompt_text, list(prompt_token_ids),
+                    [CompletionOutput(o.index, o.text, list(o.ids), -0.25 * len(o.ids),
+                                      list(o.logprobs) if params.logprobs is not None else None, o.finish)
+                     for o in outs],
+                    finished=done)
+            finished = True
+        finally:
+            self.active.discard(request_id)
+            if not finished:
+                self.aborted.add(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.active:
+            self.aborted.add(request_id)
+
+    def metrics(self) -> dict:
+        return {"num_running": len(self.active), "num_waiting": 0, "kv_cache_usage": 0.0,
+                "num_free_blocks": 100, "num_blocks": 100, "prompt_tokens_total": 0,
+                "generation_tokens_total": self.generation_tokens, "preemptions_total": 0}
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class _Seq:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.finish: str | None = None
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def serve(fake: FakeEngineClient | None = None, **kw: Any):
+    fake = fake or FakeEngineClient()
+    app = build_app(fake, MODEL, **kw)
+    with TestClient(app, raise_server_exceptions=False) as http:
+        http.fake = fake  # type: ignore[attr-defined]
+        yield http
+
+
+@pytest.fixture
+def http():
+    with serve() as client:
+        yield client
+
+
+def chat(http: TestClient, **body: Any) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return http.post("/v1/chat/completions", json=body)
+
+
+def complete(http: TestClient, **body: Any) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    body.setdefault("prompt", "hello")
+    return http.post("/v1/completions", json=body)
+
+
+def events(response: httpx.Response) -> list[Any]:
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+def test_chat_basic_fields(http):
+    r = chat(http, max_tokens=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == MODEL
+    (choice,) = body["choices"]
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": "abcde"}, "logprobs": None,
+                      "finish_reason": "length"}
+    prompt = len("<user>hi\n<assistant>")
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+    # the chat template's text is encoded without special tokens: the template places BOS itself
+    _, ids, params = http.fake.requests[-1]
+    assert ids[0] != 1 and params.max_tokens == 5
+
+
+def test_chat_sampling_fields_reach_the_engine(http):
+    r = chat(http, n=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, max_completion_tokens=4, max_tokens=9,
+             stop=["zz"], seed=11, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
+             ignore_eos=True, min_tokens=2, stop_token_ids=[5], user="u1", unknown_field={"x": 1})
+    assert r.status_code == 200, r.text
+    _, _, p = http.fake.requests[-1]
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (2, 0.5, 0.9, 7, 0.1)
+    assert p.max_tokens == 4  # max_completion_tokens wins over the deprecated max_tokens
+    assert (p.stop_strings, p.seed, p.presence_penalty, p.frequency_penalty) == (("zz",), 11, 0.5, -0.5)
+    assert (p.repetition_penalty, p.ignore_eos, p.min_tokens, p.stop_token_ids) == (1.1, True, 2, [5])
+    assert [c["message"]["content"] for c in r.json()["choices"]] == ["abcd", "bcde"]
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_chat_default_max_tokens_fills_the_context(http):
+    r = chat(http)
+    prompt = r.json()["usage"]["prompt_tokens"]
+    assert r.json()["usage"]["completion_tokens"] == 64 - prompt
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_stop_string(http):
+    r = chat(http, stop="de", max_tokens=10)
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "abc" and choice["finish_reason"] == "stop"
+
+
+def test_chat_content_parts_and_extra_message_keys(http):
+    r = chat(http, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                              "reasoning_content": "x"}], max_tokens=1)
+    assert r.status_code == 200
+    assert http.fake.tokenizer.decode(http.fake.requests[-1][1]) == "<user>a\nb\n<assistant>"
+    r = chat(http, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert_error(r, 400, param="messages.0.content")
+
+
+def test_chat_logprobs(http):
+    r = chat(http, max_tokens=2, logprobs=True, top_logprobs=3)
+    lp = r.json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in lp] == ["a", "b"]
+    assert lp[0]["logprob"] == -0.25 and lp[0]["bytes"] == [97]
+    assert [t["token"] for t in lp[0]["top_logprobs"]] == ["a", "C", "D"]
+    assert [t["logprob"] for t in lp[0]["top_logprobs"]] == [-0.25, -2.0, -3.0]
+    r = chat(http, max_tokens=2, logprobs=True)
+    assert r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+    assert http.fake.requests[-1][2].logprobs == 0
+
+
+def test_chat_stream(http):
+    r = chat(http, stream=True, max_tokens=3, n=2)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    evs = events(r)
+    assert evs[-1] == "[DONE]"
+    chunks = evs[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    texts = {0: "", 1: ""}
+    roles = set()
+    finish = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        delta = choice["delta"]
+        if "role" in delta:
+            roles.add(choice["index"])
+        texts[choice["index"]] += delta.get("content", "")
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: "abc", 1: "bcd"} and roles == {0, 1} and finish == {0: "length", 1: "length"}
+
+
+def test_chat_stream_usage_and_logprobs(http):
+    r = chat(http, stream=True, max_tokens=3, stream_options={"include_usage": True}, logprobs=True, top_logprobs=1)
+    chunks = events(r)[:-1]
+    assert all("usage" in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+    tokens = [e["token"] for c in chunks[:-1] for ch in c["choices"] if ch["logprobs"]
+              for e in ch["logprobs"]["content"]]
+    assert tokens == ["a", "b", "c"]
+
+
+def test_stream_never_sends_part_of_a_stop_string(http):
+    r = chat(http, stream=True, stop=["cdX", "zz"], max_tokens=5)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in events(r)[:-1] if c["choices"])
+    assert text == "abcde"
+    with serve(FakeEngineClient(delay=0.001)) as slow:
+        r = chat(slow, stream=True, stop="cd", max_tokens=10)
+        deltas = [c["choices"][0]["delta"].get("content", "") for c in events(r)[:-1]]
+        assert "".join(deltas) == "ab" and all("c" not in d for d in deltas)
+
+
+def test_stop_holdback():
+    assert stop_holdback("abc", ("cd",)) == 1
+    assert stop_holdback("abc", ("xyz",)) == 0
+    assert stop_holdback("abcab", ("abcd", "b")) == 2
+    assert stop_holdback("xabc", ("abcd", "bc!")) == 3
+
+
+# -- completions -----------------------------------------------------------------------------
+
+
+def test_completion_basic(http):
+    r = complete(http)
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["text"] == "abcdefghijklmnop" and choice["finish_reason"] == "length"  # OpenAI's default 16
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 16, "total_tokens": 22}
+    assert http.fake.requests[-1][1][0] == 1  # plain prompts get the model's BOS
+
+
+def test_completion_default_max_tokens_is_cut_to_fit(http):
+    r = complete(http, prompt="x" * 55)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64 - 56
+
+
+def test_completion_prompt_forms(http):
+    r = complete(http, prompt=[5, 6, 7], max_tokens=1)
+    assert r.status_code == 200 and http.fake.requests[-1][1] == [5, 6, 7]
+    r = complete(http, prompt=["a", "b"], n=2, max_tokens=2)
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices] == ["ab", "bc", "ab", "bc"]
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    r = complete(http, prompt=[[5, 6], [7]], max_tokens=1)
+    assert len(r.json()["choices"]) == 2
+    assert [req[1] for req in http.fake.requests[-2:]] == [[5, 6], [7]]
+
+
+def test_completion_echo_and_logprobs(http):
+    r = complete(http, prompt="hey", echo=True, max_tokens=2)
+    assert r.json()["choices"][0]["text"] == "heyab"
+    r = complete(http, prompt=[3 + ord("h"), 3 + ord("i")], echo=True, max_tokens=1)
+    assert r.json()["choices"][0]["text"] == "hia"
+    r = complete(http, prompt="hey", logprobs=2, max_tokens=3)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["a", "b", "c"]
+    assert lp["token_logprobs"] == [-0.25] * 3
+    assert lp["top_logprobs"][0] == {"a": -0.25, "C": -2.0}
+    assert lp["text_offset"] == [0, 1, 2]
+    assert_error(complete(http, echo=True, logprobs=1), 400, param="echo")
+
+
+def test_completion_stream(http):
+    r = complete(http, prompt=["a", "b"], stream=True, max_tokens=2, echo=True,
+                 stream_options={"include_usage": True})
+    chunks = events(r)
+    assert chunks[-1] == "[DONE]"
+    texts: dict[int, str] = {}
+    for c in chunks[:-2]:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "aab", 1: "bab"}
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == 4
+    r = complete(http, stream=True, max_tokens=3, logprobs=0, n=2)
+    offsets: dict[int, list[int]] = {}
+    tokens: dict[int, list[str]] = {}
+    for c in events(r)[:-1]:
+        (choice,) = c["choices"]
+        if choice["logprobs"]:
+            offsets.setdefault(choice["index"], []).extend(choice["logprobs"]["text_offset"])
+            tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
+    assert offsets == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert tokens == {0: ["a", "b", "c"], 1: ["b", "c", "d"]}
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"n": 0}, "n"),
+    ({"n": True}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ({"stop": 3}, None),
+    ({"seed": -1}, "seed"),
+    ({"stream": "yes"}, "stream"),
+])
+def test_chat_validation_errors_are_400(http, body, param):
+    error = assert_error(chat(http, **body), 400)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stop": ""}, None),
+    ({"min_tokens": 5, "max_tokens": 2}, None),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"chat_template_kwargs": {"explode": True}}, "messages"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
+    ({"stop_token_ids": [9999]}, "stop_token_ids"),
+])
+def test_chat_semantic_errors_are_400(http, body, param):
+    assert_error(chat(http, **body), 400, param=param)
+    assert not http.fake.requests
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"prompt": [1.5]}, None),
+    ({"logprobs": 6}, "logprobs"),
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"prompt": ["ok", [1] * 70]}, "prompt.1"),
+])
+def test_completion_errors_are_400(http, body, param):
+    assert_error(complete(http, **body), 400, param=param)
+    assert not http.fake.requests  # a bad prompt anywhere rejects the whole request
+
+
+def test_malformed_bodies_are_400(http):
+    for content in (b"{not json", b"[1, 2]", b"", b'"text"'):
+        r = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert_error(r, 400)
+    # without a JSON content type the body is not parsed (a browser could send it cross-site)
+    r = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
+                  headers={"content-type": "text/plain"})
+    assert "Content-Type: application/json" in assert_error(r, 400)["message"]
+    r = http.post("/v1/completions", content=b'{"model": "fake-model", "prompt": "x", "temperature": NaN}',
+                  headers={"content-type": "application/json"})
+    assert_error(r, 400, param="temperature")
+
+
+def test_oversized_body_is_413(http):
+    r = http.post("/v1/completions", content=b"x" * (33 << 20), headers={"content-type": "application/json"})
+    assert_error(r, 413, code="request_too_large")
+
+
+def test_context_length_exceeded(http):
+    error = assert_error(complete(http, prompt="x" * 80), 400, code="context_length_exceeded", param="prompt")
+    assert "max_model_len" in error["message"]
+    assert_error(chat(http, messages=[{"role": "user", "content": "x" * 80}]), 400,
+                 code="context_length_exceeded", param="messages")
+    assert_error(complete(http, prompt="x", max_tokens=63), 400, code="context_length_exceeded", param="max_tokens")
+    assert complete(http, prompt="x", max_tokens=62).status_code == 200
+
+
+def test_unknown_model_is_404(http):
+    error = assert_error(chat(http, model="gpt-4"), 404, code="model_not_found", param="model")
+    assert MODEL in error["message"]
+    assert_error(complete(http, model="other"), 404)
+
+
+def test_unknown_route_and_method(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_api_key():
+    with serve(api_key="sekret") as http:
+        assert_error(chat(http), 401, code="invalid_api_key")
+        assert_error(http.post("/v1/chat/completions", content=b"{bad json"), 401)
+        assert_error(http.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert http.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no secret
+            assert http.get(path).status_code == 200
+
+
+def test_engine_errors_map_to_status(http):
+    http.fake.fail_with = InvalidRequestError("bad thing")
+    assert_error(chat(http), 400)
+    http.fake.fail_with = RuntimeError("kaboom")
+    error = assert_error(chat(http), 500, code="internal_error")
+    assert "kaboom" not in error["message"]  # internals stay in the log
+    r = chat(http, stream=True)
+    assert r.status_code == 200
+    evs = events(r)
+    assert evs[-1] != "[DONE]" and evs[-1]["error"]["code"] == "internal_error"
+    http.fake.fail_with = None
+    assert chat(http, max_tokens=1).status_code == 200
+
+
+def test_models_version_health_metrics(http):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["object"] == "model"
+    assert models["data"][0]["max_model_len"] == 64 and models["data"][0]["root"] == "/models/fake"
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert_error(http.get("/v1/models/other"), 404, code="model_not_found")
+    assert "version" in http.get("/version").json()
+    assert http.get("/health").status_code == 200
+    chat(http, max_tokens=3)
+    text = http.get("/metrics").text
+    for name in ("fd_num_requests_running", "fd_num_requests_waiting", "fd_kv_cache_usage_ratio",
+                 "fd_kv_cache_free_blocks 100.0", "fd_kv_cache_total_blocks 100.0", "fd_prompt_tokens_total",
+                 "fd_generation_tokens_total 3.0", "fd_time_to_first_token_seconds_bucket",
+                 "fd_time_per_output_token_seconds_bucket", "fd_e2e_request_latency_seconds_count",
+                 'fd_request_success_total{finished_reason="length",model_name="fake-model"} 1.0'):
+        assert name in text, name
+
+
+def test_two_apps_have_separate_metrics():
+    with serve() as a, serve() as b:
+        chat(a, max_tokens=1)
+        assert "fd_e2e_request_latency_seconds_count{model_name=\"fake-model\"} 1.0" in a.get("/metrics").text
+        assert 'fd_e2e_request_latency_seconds_count{model_name="fake-model"} 1.0' not in b.get("/metrics").text
+
+
+def test_openapi_documents_both_endpoints(http):
+    spec = http.get("/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "429", "503"} <= set(responses)
+        assert "422" not in responses
+
+
+# -- concurrency, disconnects, a dead engine (real sockets) ----------------------------------
+
+
+@contextmanager
+def live_server(fake: FakeEngineClient, **kw: Any):
+    """The app under uvicorn in a thread, on a free loopback port."""
+    import uvicorn
+
+    app = build_app(fake, MODEL, **kw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_disconnect_aborts_streaming_and_plain_requests():
+    fake = FakeEngineClient(max_model_len=10_000, delay=0.01)
+    with live_server(fake) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if '"content":"a' in line.replace(" ", ""):
+                    break
+        wait_for(lambda: len(fake.aborted) == 1 and not fake.active)
+        # a non-streamed request whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000}, timeout=0.3)
+        wait_for(lambda: len(fake.aborted) == 2 and not fake.active)
+        assert app.state.monitor.in_flight == 0 and not app.state.monitor.streams
+
+
+def test_max_concurrency_429():
+    fake = FakeEngineClient(max_model_len=10_000, delay=0.01)
+    with live_server(fake, max_concurrency=2) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5000, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as a, \
+                http.stream("POST", "/v1/completions", json=body) as b:
+            lines = a.iter_lines(), b.iter_lines()  # kept: a dropped iterator closes its response
+            next(lines[0]), next(lines[1])
+            r = http.post("/v1/completions", json={**body, "stream": False})
+            assert_error(r, 429, code="rate_limit_exceeded")
+            assert r.headers["retry-after"] == "1"
+        wait_for(lambda: app.state.monitor.in_flight == 0)
+        assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
+
+
+def test_dead_engine_ends_everything_with_503():
+    fake = FakeEngineClient(max_model_len=10_000, delay=0.02)
+    with live_server(fake) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
+        results: dict[str, Any] = {}
+
+        def plain() -> None:
+            results["plain"] = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
+
+        worker = threading.Thread(target=plain)
+        worker.start()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            wait_for(lambda: len(fake.active) == 2)
+            t0 = time.monotonic()
+            fake.die()
+            rest = [line for line in lines if line.startswith("data: ")]
+        worker.join(5)
+        assert time.monotonic() - t0 < 2
+        last = json.loads(rest[-1][len("data: "):])
+        assert last["error"]["code"] == "engine_unavailable"
+        assert_error(results["plain"], 503, code="engine_unavailable")
+        assert_error(http.get("/health"), 503)
+        assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 503)
+        assert app.state.monitor.dead.is_set()
+
+
+def test_unhealthy_engine_is_noticed_without_traffic():
+    fake = FakeEngineClient()
+    with live_server(fake) as (url, app):
+        fake.healthy = False  # a dead process, nothing in flight
+        wait_for(app.state.monitor.dead.is_set, timeout=2)
+        assert httpx.get(url + "/health").status_code == 503
