@@ -66,6 +66,10 @@ ROWS = (  # (label, key in the bench JSON, sub-key)
     ("ITL p99 ms", "itl_ms", "p99"),
     ("E2E p50 ms", "e2e_ms", "p50"),
     ("output tokens", "total_output_tokens", None),
+    # "chunks": the server sent no usage, so output tokens are content chunks and input tokens the
+    # requested word count (no chat template): input tok/s is then not comparable with "usage".
+    ("token counts from", "token_counts_from", None),
+    ("load before run", "machine", "load_avg_1m_before"),
 )
 
 
@@ -160,6 +164,10 @@ def bench(port: int, concurrency: int, args: argparse.Namespace, out: Path) -> d
 def run_server(name: str, cmd: list[str], port: int, args: argparse.Namespace, out: Path) -> dict[int, Any]:
     log = out / f"{name}.server.log"
     print(f"\n== {name}: {' '.join(cmd)}\n   (log: {log})", flush=True)
+    busy = os.getloadavg()[0]
+    if busy > 0.5:
+        print(f"warning: load average {busy:.2f} before starting {name}: something else is using "
+              "the CPU and will slow this server down", flush=True)
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     results: dict[int, Any] = {}
@@ -180,9 +188,11 @@ def _cell(report: dict[str, Any] | None, key: str | None, sub: str | None) -> st
         return "-"
     if key is None:
         return f"{report['completed']} / {report['failed']}"
-    value = report[key] if sub is None else report[key][sub]
+    value = report.get(key) if sub is None else (report.get(key) or {}).get(sub)
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     return f"{value:.0f}" if isinstance(value, int) else f"{value:.2f}"
 
 
@@ -212,7 +222,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to load")
     ap.add_argument("--out", default=None, help="results folder (default: a new one in the temp folder)")
+    ap.add_argument("--table-from", default=None, metavar="DIR", help="only print the table of an earlier run")
     args = ap.parse_args()
+
+    if args.table_from:
+        saved = json.loads((Path(args.table_from) / "summary.json").read_text())
+        results = {n: {int(c): r for c, r in res.items()} for n, res in saved["results"].items()}
+        print(table(results, saved["params"]["concurrency"]))
+        return 0
 
     slots = args.slots or max(args.concurrency)
     out = Path(args.out or tempfile.mkdtemp(prefix=f"fd-vs-llama-cpp-{datetime.now():%Y%m%d-%H%M%S}-"))

@@ -266,6 +266,14 @@ def machine_info() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
+def _load() -> float | None:
+    """The 1-minute load average: a figure taken while other work ran on the machine shows it."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -316,6 +324,7 @@ async def _warm_up(client: Any, args: argparse.Namespace, path: str, model: str,
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
     extra_body = json.loads(args.extra_body) if args.extra_body else {}
+    load_before = _load()
     async with _client(args) as client:
         model = args.model or await first_model(client)
         force = await _warm_up(client, args, path, model, extra_body) if args.warmup else not args.no_force_length
@@ -324,14 +333,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         gaps = arrival_gaps(args.num_prompts, args.request_rate, args.seed)
         gate = asyncio.Semaphore(args.concurrency) if args.concurrency else None
 
+        finished = 0
+        show_progress = sys.stderr.isatty()
+
         async def one(prompt: str) -> RequestResult:
+            nonlocal finished
             body = build_body(args.endpoint, model, prompt, args.output_len, args.temperature, force, extra_body)
             if gate is None:
-                return await send_guarded(client, path, body, args.endpoint, args.input_len, args.timeout)
-            # The clock starts inside send_one, after the gate: queueing here is the benchmark's
-            # own doing, not the server's latency.
-            async with gate:
-                return await send_guarded(client, path, body, args.endpoint, args.input_len, args.timeout)
+                result = await send_guarded(client, path, body, args.endpoint, args.input_len, args.timeout)
+            else:
+                # The clock starts inside send_one, after the gate: queueing here is the
+                # benchmark's own doing, not the server's latency.
+                async with gate:
+                    result = await send_guarded(client, path, body, args.endpoint, args.input_len, args.timeout)
+            finished += 1
+            if show_progress:
+                print(f"\r{finished}/{len(prompts)} done", end="", file=sys.stderr, flush=True)
+            return result
 
         print(f"sending {len(prompts)} requests to {args.base_url}{path} (model {model}, "
               f"concurrency {args.concurrency or 'unlimited'}, rate {args.request_rate:g}/s)", file=sys.stderr)
@@ -343,13 +361,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(one(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        if show_progress:
+            print(file=sys.stderr)
 
     summary = summarize(results, duration)
     params = {k: v for k, v in vars(args).items() if k not in ("api_key", "func") and not callable(v)}
     params["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
     params["model"] = model
     params["length_fields_sent"] = force
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
+    # The load average moves slowly; the figure after the run mostly reflects the run itself,
+    # the one before shows whether something else was already busy on this machine.
+    machine = {**machine_info(), "load_avg_1m_before": load_before, "load_avg_1m_after": _load()}
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
             "params": params, **summary}
 
 
