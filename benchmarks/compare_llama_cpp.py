@@ -3,9 +3,12 @@
 
     python benchmarks/compare_llama_cpp.py [--servers fd llama_cpp] [--concurrency 1 8 32]
 
-For each server: start it, wait for GET /v1/models, run ``fd bench serve`` at each concurrency
-with the same seeded prompts, stop it. Writes one JSON per run plus summary.json into --out and
-prints a side-by-side table. Never run two servers at once: they would share the CPU.
+For each server: start it, wait for GET /v1/models, run ``fd bench serve`` at each concurrency,
+stop it. At a given concurrency every server gets the same seeded prompts; each concurrency gets
+new ones, so no prefix cache replays an earlier level. Writes one JSON per run plus summary.json
+into --out and prints a side-by-side table. Servers run one at a time, never together; "other
+CPU" in the table is what the rest of the machine used meanwhile (it should be ~0: on a shared
+machine a busy neighbour slows the server under test).
 
 Servers
   fd         fd serve --model HuggingFaceTB/SmolLM2-135M-Instruct --port P --max-num-seqs S
@@ -31,8 +34,14 @@ Flags chosen for llama_cpp.server (llama-cpp-python 0.3.x), and why
   outputs have the full length; ignore_eos and stream_options it ignores, so output tokens are
   counted as content chunks (one token each).
 
-Flags for llama.cpp's C++ server (llama-server), when given: -np S -c S*CTX (the context is split
-evenly between the slots, so each slot gets CTX), continuous batching (its default), -t cores.
+Flags for llama.cpp's C++ server (llama-server), when given: --parallel S --ctx-size S*CTX (with
+an explicit slot count the KV cache is not unified, so the context is split evenly and each slot
+gets CTX), continuous batching (its default), --threads/--threads-batch = cores. It is the server
+that does have S slots. One way to build it from PyPI alone, the llama.cpp that llama-cpp-python
+vendors (several minutes on 2 cores):
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/lcp && tar xzf /tmp/lcp/*.tar.gz -C /tmp/lcp
+    cmake -S /tmp/lcp/llama_cpp_python-*/vendor/llama.cpp -B /tmp/lcp/build -DLLAMA_OPENSSL=OFF
+    cmake --build /tmp/lcp/build --target llama-server -j2   # then --llama-server /tmp/lcp/build/bin/llama-server
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -69,7 +79,7 @@ ROWS = (  # (label, key in the bench JSON, sub-key)
     # "chunks": the server sent no usage, so output tokens are content chunks and input tokens the
     # requested word count (no chat template): input tok/s is then not comparable with "usage".
     ("token counts from", "token_counts_from", None),
-    ("load before run", "machine", "load_avg_1m_before"),
+    ("other CPU (cores)", "other_cpu_cores", None),  # ~0 unless something else ran meanwhile
 )
 
 
@@ -88,7 +98,8 @@ def gguf_path() -> str:
 def fd_command(port: int, slots: int, ctx: int) -> list[str] | None:
     fd = shutil.which("fd") or str(Path(sys.executable).with_name("fd"))
     try:
-        help_text = subprocess.run([fd, "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+        help_text = subprocess.run([fd, "serve", "--help"], check=False, capture_output=True, text=True,
+                                   timeout=120).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     if "--max-num-seqs" not in help_text:
@@ -150,24 +161,60 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def bench(port: int, concurrency: int, args: argparse.Namespace, out: Path) -> dict[str, Any] | None:
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (Linux /proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds of the live processes in one process group (the server and its workers)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def bench(port: int, level: int, args: argparse.Namespace, out: Path, server_pgid: int) -> dict[str, Any] | None:
+    concurrency = args.concurrency[level]
     cmd = [sys.executable, "-m", "fd_core.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "chat", "--concurrency", str(concurrency),
            "--num-prompts", str(max(args.num_prompts, concurrency)),  # every slot busy at least once
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--seed", str(args.seed), "--warmup", "2", "--timeout", "600", "--json", str(out)]
+           # Every server gets the same prompts at a level, but each level new ones: a server with
+           # a prefix cache (llama-server keeps each slot's last prompt) must not replay a level.
+           "--seed", str(args.seed + level), "--warmup", "2", "--timeout", "600", "--json", str(out)]
     print(f"$ {' '.join(cmd)}", flush=True)
+    # This machine may be shared: whatever CPU the server and the client did not use went to
+    # something else, which slowed the server. Reported with the figures as "other CPU".
+    start, busy0, server0 = time.monotonic(), busy_cpu_s(), group_cpu_s(server_pgid)
+    client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=False)
-    return json.loads(out.read_text()) if out.exists() else None
+    client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    client = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
+    other = busy_cpu_s() - busy0 - (group_cpu_s(server_pgid) - server0) - client
+    if not out.exists():
+        return None
+    report = json.loads(out.read_text())
+    report["other_cpu_cores"] = max(0.0, other) / (time.monotonic() - start)
+    if report["other_cpu_cores"] > 0.1:
+        print(f"warning: other processes used {report['other_cpu_cores']:.2f} cores during this run", flush=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def run_server(name: str, cmd: list[str], port: int, args: argparse.Namespace, out: Path) -> dict[int, Any]:
     log = out / f"{name}.server.log"
     print(f"\n== {name}: {' '.join(cmd)}\n   (log: {log})", flush=True)
-    busy = os.getloadavg()[0]
-    if busy > 0.5:
-        print(f"warning: load average {busy:.2f} before starting {name}: something else is using "
-              "the CPU and will slow this server down", flush=True)
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     results: dict[int, Any] = {}
@@ -176,8 +223,8 @@ def run_server(name: str, cmd: list[str], port: int, args: argparse.Namespace, o
             tail = log.read_text(errors="replace")[-2000:]
             print(f"{name} did not become ready in {args.start_timeout:g} s; log tail:\n{tail}", flush=True)
             return results
-        for c in args.concurrency:
-            results[c] = bench(port, c, args, out / f"{name}-c{c}.json")
+        for level, c in enumerate(args.concurrency):
+            results[c] = bench(port, level, args, out / f"{name}-c{c}.json", proc.pid)
     finally:
         stop(proc)
     return results
@@ -204,7 +251,8 @@ def table(all_results: dict[str, dict[int, Any]], levels: list[int]) -> str:
         lines.append(f"\nconcurrency {c}")
         lines.append(f"  {'':<20}" + "".join(f"{n:>{width}}" for n in names))
         for label, key, sub in ROWS:
-            lines.append(f"  {label:<20}" + "".join(f"{_cell(all_results[n].get(c), key, sub):>{width}}" for n in names))
+            cells = (_cell(all_results[n].get(c), key, sub) for n in names)
+            lines.append(f"  {label:<20}" + "".join(f"{cell:>{width}}" for cell in cells))
     return "\n".join(lines)
 
 
@@ -239,9 +287,12 @@ def main() -> int:
     all_results: dict[str, dict[int, Any]] = {}
     for name in servers:
         port = free_port()
-        cmd = {"fd": lambda: fd_command(port, slots, args.ctx),
-               "llama_cpp": lambda: llama_cpp_command(port, slots, args.ctx),
-               "llama_server": lambda: llama_server_command(args.llama_server, port, slots, args.ctx)}[name]()
+        if name == "fd":
+            cmd = fd_command(port, slots, args.ctx)
+        elif name == "llama_cpp":
+            cmd = llama_cpp_command(port, slots, args.ctx)
+        else:
+            cmd = llama_server_command(args.llama_server, port, slots, args.ctx)
         if cmd is None:
             why = {"fd": "`fd serve` is not available yet (fd serve --help)",
                    "llama_cpp": "llama_cpp is not installed: pip install 'llama-cpp-python[server]'",
@@ -251,7 +302,8 @@ def main() -> int:
         all_results[name] = run_server(name, cmd, port, args, out)
 
     summary = {"date": datetime.now().isoformat(timespec="seconds"), "slots": slots, "ctx_per_slot": args.ctx,
-               "params": vars(args), "results": {n: {str(c): r for c, r in res.items()} for n, res in all_results.items()}}
+               "params": vars(args),
+               "results": {n: {str(c): r for c, r in res.items()} for n, res in all_results.items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nSmolLM2-135M-Instruct Q4_1, ~{args.input_len} in / {args.output_len} out tokens, "
           f"{slots} slots (llama_cpp.server: 1, it has none), {os.cpu_count()} cores")

@@ -11,15 +11,16 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-pytest.importorskip("httpx")
+from fd_core.bench import serve
 
-from fd_core.bench import serve  # noqa: E402
+pytest.importorskip("httpx")  # serve imports it only when it runs
 
 FIRST_DELAY = 0.05
 GAP = 0.01
@@ -147,6 +148,8 @@ def test_chat_figures_follow_the_server_delays(fake: FakeServer, tmp_path: Path,
     assert sent["stream_options"] == {"include_usage": True}
     assert len(sent["messages"][0]["content"].split()) == 20
     assert len(fake.bodies) == 7  # 1 warm-up + 6 timed
+    timed = {b["messages"][0]["content"] for b in fake.bodies[1:]}
+    assert len(timed) == 6 and fake.bodies[0]["messages"][0]["content"] not in timed  # no cache hits
 
     table = capsys.readouterr().out
     for label in ("requests completed / failed", "6 / 0", "TTFT", "TPOT", "ITL", "E2E", "output tokens/s"):

@@ -22,9 +22,10 @@ import random
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Sequence
+from typing import Any
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8180"
 PERCENTILES = (50, 90, 99)
@@ -67,7 +68,7 @@ class RequestResult:
 # Workload
 
 
-def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
+def make_prompts(n: int, input_len: int, seed: int | str) -> list[str]:
     """``n`` distinct prompts of ``input_len`` words each; the same seed gives the same prompts.
     Random words also keep servers with prefix caching from reusing one prompt's work for the next."""
     rng = random.Random(seed)
@@ -303,7 +304,9 @@ async def _warm_up(client: Any, args: argparse.Namespace, path: str, model: str,
     """Sends the warm-up requests one by one; returns whether to send the length-forcing fields.
     A server that rejects those fields (400/422) gets requests without them from then on."""
     force = not args.no_force_length
-    prompts = make_prompts(args.warmup, args.input_len, args.seed + 1000)
+    # A seed of its own kind, so no --seed ever makes timed prompts equal to these (a server with
+    # a prefix cache would then answer them from the warm-up's work).
+    prompts = make_prompts(args.warmup, args.input_len, f"warmup-{args.seed}")
     length = min(args.output_len, 16)
     for i, prompt in enumerate(prompts):
         body = build_body(args.endpoint, model, prompt, length, args.temperature, force, extra_body)
@@ -377,7 +380,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root, without /v1 (default %(default)s)")
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                        help="server root, without /v1 (default %(default)s)")
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
                         help="/v1/chat/completions or /v1/completions (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
@@ -388,18 +392,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests in flight at once (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="new requests per second, Poisson arrivals; inf sends all at once (default %(default)s)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt length in words, ~tokens (default %(default)s)")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="prompt length in words, ~tokens (default %(default)s)")
     parser.add_argument("--output-len", type=int, default=64, help="max_tokens of each request (default %(default)s)")
     parser.add_argument("--no-force-length", action="store_true",
                         help="do not send ignore_eos/min_tokens/stream_options, only max_tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default %(default)s: greedy)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (default %(default)s: greedy)")
     parser.add_argument("--extra-body", default=None, metavar="JSON",
                         help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the prompts and arrival times (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed requests sent one by one first (default %(default)s); the first also "
                              "checks that the server accepts ignore_eos/min_tokens")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take (default %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results to this JSON file")
 
 
