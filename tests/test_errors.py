@@ -49,6 +49,14 @@ def test_one_bad_prompt_in_a_batch_submits_nothing(small_llm):
 
 
 @smollm2
+def test_stop_token_ids_outside_the_vocabulary(small_llm):
+    # rejected at submission, not by the sampler in the middle of a step
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be below the vocabulary size"):
+        small_llm.generate("hi", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
+    assert not small_llm.engine.has_unfinished_requests()
+
+
+@smollm2
 def test_bad_token_ids(small_llm):
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         small_llm.generate([[1, 2, 10**9]], use_tqdm=False)

@@ -22,14 +22,15 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
-from fd_core.engine.config import EngineConfig
-from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from fd_core.engine.sampling_params import SamplingParams
-from fd_core.errors import InvalidRequestError, PromptTooLongError
 from fd_server.app import build_app
 from fd_server.errors import EngineDeadError
-from fd_server.serving import stop_holdback
+
+from fd_core.engine import core
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.detokenizer import stop_holdback
+from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import InvalidRequestError
 
 MODEL = "fake-model"
 LETTERS = string.ascii_lowercase
@@ -84,12 +85,10 @@ class FakeEngineClient:
         return self.healthy
 
     def check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if any(t < 0 or t >= self.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len}")
+        core.check_prompt(token_ids, self.vocab_size, self.max_model_len, 1 << 30, True)
+
+    def check_params(self, params: SamplingParams) -> None:
+        core.check_params(params, self.vocab_size)
 
     def die(self) -> None:
         self.healthy = False

@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from fd_core import errors
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.core import CoreOutput, check_prompt
+from fd_core.engine.core import CoreOutput, check_params, check_prompt
 from fd_core.engine.core_process import (
     Abort, AddRequest, ClientMessage, CoreMessage, Failed, Ready, Shutdown, Stats, StepOutputs,
     params_to_wire, run_core,
@@ -178,6 +178,10 @@ class AsyncEngineClient:
         """Raise InvalidRequestError / PromptTooLongError for a prompt the core would reject."""
         check_prompt(token_ids, self.vocab_size, self.max_model_len,
                      self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
+        check_params(params, self.vocab_size)
 
     def metrics(self) -> dict:
         """The core's latest stats (at most a heartbeat old)."""

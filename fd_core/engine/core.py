@@ -63,6 +63,14 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
         )
 
 
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """Reject sampling parameters that name tokens the model does not have (SamplingParams
+    cannot check this itself: it does not know the vocabulary)."""
+    bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.loader import load_checkpoint, resolve_model
@@ -138,6 +146,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
+        check_params(params, self.model_config.vocab_size)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))

@@ -70,3 +70,15 @@ def find_stop(state: TextState, new_text_len: int) -> str | None:
             state.text = state.text[:end]
             return stop
     return None
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could still become a stop string; a stream
+    holds them back so a stop string is never sent in part before it is cut."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return hold

@@ -112,13 +112,10 @@ def engine_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
+    from fd_server.launch import serve  # falls back to $FD_API_KEY
 
-    from fd_server.launch import serve
-
-    api_key = args.api_key or os.environ.get("FD_API_KEY")
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 api_key=api_key, max_concurrency=args.max_concurrency)
+                 api_key=args.api_key, max_concurrency=args.max_concurrency)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

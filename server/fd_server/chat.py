@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi import Request
 
+from fd_core.engine.detokenizer import stop_holdback
 from fd_core.engine.outputs import CompletionOutput, Logprob
-
 from fd_server import params as P
 from fd_server.protocol import (
     AssistantMessage,
@@ -31,7 +31,6 @@ from fd_server.serving import (
     new_id,
     safe_logprob,
     sse,
-    stop_holdback,
     token_bytes,
     token_text,
     top_entries,
@@ -46,7 +45,7 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
     P.check_prompt(client, prompt_ids, "messages")
     logprobs = P.chat_logprobs(body)
     sampling = P.sampling_params(
-        body, prompt_len=len(prompt_ids), max_model_len=client.max_model_len, vocab_size=client.vocab_size,
+        client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs)
     batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival)
     batch.submit(prompt_ids, sampling, prompt_text)

@@ -13,8 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
+from fd_core.engine.detokenizer import stop_holdback
 from fd_core.engine.outputs import Logprob
-
 from fd_server import params as P
 from fd_server.protocol import (
     CompletionChoice,
@@ -31,7 +31,6 @@ from fd_server.serving import (
     new_id,
     safe_logprob,
     sse,
-    stop_holdback,
     token_text,
     top_entries,
 )
@@ -49,7 +48,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
     for text, ids in prompts:  # everything is checked before anything is submitted
         P.check_prompt(client, ids, "prompt")
         sampling = P.sampling_params(
-            body, prompt_len=len(ids), max_model_len=client.max_model_len, vocab_size=client.vocab_size,
+            client, body, prompt_len=len(ids),
             max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs)
         plan.append((text, ids, sampling))
     batch = Batch(ctx.monitor, new_id("cmpl"), arrival)

@@ -40,10 +40,11 @@ def _unsupported(request: SamplingFields) -> None:
         raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(stops)}.", param="stop")
 
 
-def sampling_params(request: SamplingFields, *, prompt_len: int, max_model_len: int, vocab_size: int,
+def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
                     max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit)."""
     _unsupported(request)
+    max_model_len = client.max_model_len
     room = max_model_len - prompt_len
     min_tokens = request.min_tokens
     if max_tokens is None:
@@ -54,10 +55,8 @@ def sampling_params(request: SamplingFields, *, prompt_len: int, max_model_len: 
             f"This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} "
             f"and {max_tokens} were asked for the completion. Ask for at most {room}.",
             param="max_tokens", code="context_length_exceeded")
-    if request.stop_token_ids and any(t >= vocab_size for t in request.stop_token_ids):
-        raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab_size}.", param="stop_token_ids")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
             min_p=request.min_p, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
@@ -68,6 +67,11 @@ def sampling_params(request: SamplingFields, *, prompt_len: int, max_model_len: 
         )
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc
+    try:
+        client.check_params(params)  # the core's own check: token ids within the vocabulary
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param="stop_token_ids") from exc
+    return params
 
 
 # -- chat ------------------------------------------------------------------------------------

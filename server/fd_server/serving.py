@@ -159,18 +159,6 @@ def top_entries(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked
 
 
-def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of ``text`` could still become a stop string; a stream
-    holds them back so a stop string is never sent in part before it is cut."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
 def token_bytes(text: str) -> list[int]:
     # The UTF-8 of the decoded token: exact for whole characters; a token holding part of a
     # multi-byte character decodes to U+FFFD, whose bytes are what is reported then.
