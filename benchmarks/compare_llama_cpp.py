@@ -51,16 +51,15 @@ import json
 import os
 import resource
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from server_process import free_port, start, stop, wait_ready  # this folder's helper
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ALIAS = "smollm2-135m-instruct"
@@ -81,12 +80,6 @@ ROWS = (  # (label, key in the bench JSON, sub-key)
     ("token counts from", "token_counts_from", None),
     ("other CPU (cores)", "other_cpu_cores", None),  # ~0 unless something else ran meanwhile
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gguf_path() -> str:
@@ -132,33 +125,6 @@ def llama_server_command(binary: str | None, port: int, slots: int, ctx: int) ->
     return [binary, "--model", gguf_path(), "--alias", ALIAS, "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(slots), "--ctx-size", str(slots * ctx), "--threads", cores,
             "--threads-batch", cores, "--no-webui"]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(1)
-    return False
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stops the server this script started (its own process group, made at start)."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def busy_cpu_s() -> float:
@@ -215,8 +181,7 @@ def bench(port: int, level: int, args: argparse.Namespace, out: Path, server_pgi
 def run_server(name: str, cmd: list[str], port: int, args: argparse.Namespace, out: Path) -> dict[int, Any]:
     log = out / f"{name}.server.log"
     print(f"\n== {name}: {' '.join(cmd)}\n   (log: {log})", flush=True)
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start(cmd, str(log))
     results: dict[int, Any] = {}
     try:
         if not wait_ready(proc, port, args.start_timeout):

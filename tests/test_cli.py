@@ -22,7 +22,12 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     cfg = engine_config(under)
     assert (cfg.max_num_seqs, cfg.max_model_len) == (4, 256)
     assert build_parser().parse_args(["serve"]).port == 8180
-    assert not engine_config(build_parser().parse_args(["serve", "--no-enable-chunked-prefill"])).enable_chunked_prefill
+    assert engine_config(build_parser().parse_args(["serve", "--no-enable-chunked-prefill"])).enable_chunked_prefill is False
+    cfg = engine_config(build_parser().parse_args(["serve", "--no-enable-prefix-caching", "--swap-space", "4"]))
+    assert cfg.enable_prefix_caching is False and cfg.swap_space == 4.0
+    left = engine_config(build_parser().parse_args(["serve"]))  # the backend decides
+    assert left.enable_prefix_caching is None and left.enable_chunked_prefill is None
+    assert left.max_num_batched_tokens is None
 
 
 @pytest.mark.parametrize("flag, message", [

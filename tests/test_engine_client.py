@@ -64,10 +64,10 @@ def prompts(n: int) -> list[list[int]]:
     return [rng.integers(3, 400, size=int(rng.integers(3, 30))).tolist() for _ in range(n)]
 
 
-async def collect(client, request_id, prompt, params):
+async def collect(client, request_id, prompt, params, **kw):
     """Every output of one request; checks they are cumulative and only the last is finished."""
     seen = []
-    async for out in client.generate(request_id, prompt, params):
+    async for out in client.generate(request_id, prompt, params, **kw):
         if seen:
             for before, now in zip(seen[-1].outputs, out.outputs):
                 assert now.token_ids[:len(before.token_ids)] == before.token_ids
@@ -214,6 +214,44 @@ def test_bad_request_fails_only_itself(loop, client):
     assert len(good.outputs[0].token_ids) == 12
     assert client.is_healthy()
     loop.run_until_complete(wait_for_free_blocks(client))
+
+
+def test_prefix_cache_across_the_process_boundary(loop, client):
+    prompt = list(range(100, 140))  # 40 tokens: two whole blocks can come from the cache
+    one = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    two = SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True)
+    before = client.metrics()
+
+    async def main():
+        return [await collect(client, f"pc-{i}", prompt, params, **kw) for i, (params, kw) in enumerate([
+            (one, {}), (two, {}), (one, {"cache_salt": "tenant"}), (one, {"cache_salt": "tenant"})])]
+
+    outs = loop.run_until_complete(main())
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0, 32]
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        loop.run_until_complete(collect(client, "pc-bad", prompt, one, cache_salt=""))
+    m = loop.run_until_complete(wait_for_free_blocks(client))
+    assert m["prefix_cache_hit_tokens_total"] - before["prefix_cache_hit_tokens_total"] == 64
+    assert m["prefix_cache_queried_tokens_total"] - before["prefix_cache_queried_tokens_total"] >= 4 * 40
+    # the forked second choice shares its sibling's prompt: nothing is computed twice
+    assert m["prompt_tokens_computed_total"] - before["prompt_tokens_computed_total"] == 40 + 8 + 40 + 8
+    assert 0 < m["prefix_cache_hit_rate"] <= 1 and m["prefix_cache_blocks"] >= 4
+    assert m["swapped_out_total"] == m["num_swapped"] == 0
+
+
+def test_wire_messages_carry_the_prefix_cache_fields():
+    import msgspec
+
+    from fd_core.engine.core_process import AddRequest, ClientMessage, Stats, WireOutput
+
+    decode = msgspec.msgpack.Decoder(ClientMessage).decode
+    encode = msgspec.msgpack.encode
+    assert decode(encode(AddRequest("r", [1, 2], {}, "salt"))).cache_salt == "salt"
+    assert decode(encode(AddRequest("r", [1, 2], {}))).cache_salt is None
+    out = WireOutput("r", 0, 5, -0.5, 1, [], None, None, 48)
+    assert msgspec.msgpack.decode(encode(out), type=WireOutput).num_cached_tokens == 48
+    stats = Stats(prefix_cache_hit_tokens_total=7, prefix_cache_hit_rate=0.5, num_swapped=1)
+    assert msgspec.msgpack.decode(encode(stats), type=Stats) == stats
 
 
 def test_core_reports_its_numbers(client):

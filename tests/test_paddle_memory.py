@@ -104,6 +104,33 @@ def test_copy_blocks_copies_whole_blocks_in_every_layer_in_place(memory, dtype):
             np.testing.assert_array_equal(memory.to_numpy(tensor).reshape(expected.shape), expected)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_swap_blocks_out_to_host_and_back(memory, dtype):
+    rng = np.random.default_rng(2)
+    bs, layers, heads, dim = 4, 2, 2, 3
+    device = memory.allocate_kv_cache(layers, 6, bs, heads, dim, dtype)
+    for pair in device:
+        for t in pair:
+            paddle.assign(memory.from_numpy(rng.standard_normal(t.shape).astype(np.float32), dtype), t)
+    before = [tuple(memory.to_numpy(t).reshape(6, bs, heads, dim).copy() for t in pair) for pair in device]
+    host = memory.allocate_host_kv_cache(layers, 3, bs, heads, dim, dtype)
+    assert host[0][0].shape == [3 * bs, heads, dim] and host[0][0].dtype == getattr(paddle, dtype)
+    memory.swap_blocks(device, host, bs, [(5, 0), (2, 2)])
+    for layer in range(layers):
+        for which in range(2):
+            got = memory.to_numpy(host[layer][which]).reshape(3, bs, heads, dim)
+            np.testing.assert_array_equal(got[0], before[layer][which][5])
+            np.testing.assert_array_equal(got[2], before[layer][which][2])
+            assert not got[1].any()  # untouched host block
+    memory.swap_blocks(host, device, bs, [(0, 1), (2, 3)])  # back, into other device blocks
+    for layer in range(layers):
+        for which in range(2):
+            got = memory.to_numpy(device[layer][which]).reshape(6, bs, heads, dim)
+            np.testing.assert_array_equal(got[1], before[layer][which][5])
+            np.testing.assert_array_equal(got[3], before[layer][which][2])
+            np.testing.assert_array_equal(got[0], before[layer][which][0])  # others unchanged
+
+
 def test_copy_blocks_with_nothing_to_copy(memory):
     caches = memory.allocate_kv_cache(1, 2, 4, 1, 2, "float32")
     memory.copy_blocks(caches, 4, [])

@@ -7,7 +7,8 @@ import pytest
 from fd_core import SamplingParams
 from fd_core.engine.block_pool import BlockPool
 from fd_core.engine.scheduler import Scheduler
-from fd_core.engine.sequence import Sequence
+from fd_core.engine.sequence import Sequence, Status
+from fd_core.engine.swap import SwapSpace
 from fd_core.errors import InvalidRequestError
 
 
@@ -19,14 +20,13 @@ def make_seq(i: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
 def run_step(sched: Scheduler, finished_after: int | None = None):
     """Simulate the engine: compute what was scheduled, sample for rows that reach the end."""
     out = sched.schedule()
-    for s in out.scheduled:
-        samples = s.samples
-        s.seq.num_computed += s.num_new
-        if samples:
-            s.seq.output_token_ids.append(7)
-            if len(s.seq.output_token_ids) >= s.seq.max_tokens:
-                sched.finish(s.seq)
-                s.seq.status = s.seq.status.FINISHED
+    sampling = [s.seq for s in out.scheduled if s.samples]
+    sched.advance(out)
+    for seq in sampling:
+        seq.output_token_ids.append(7)
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            sched.finish(seq)
+            seq.status = seq.status.FINISHED
     return out
 
 
@@ -92,6 +92,55 @@ def test_preemption_frees_newest_and_recomputes():
     assert b.num_preemptions >= 1 and a.num_preemptions == 0  # the newest goes first
     assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
     assert pool.num_free == pool.capacity
+
+
+def test_preemption_by_swap_keeps_progress_and_comes_back_first():
+    pool = BlockPool(num_blocks=7, block_size=4)
+    swap = SwapSpace(num_blocks=8)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, swap=swap)
+    a, b, c = make_seq(0, 8, max_tokens=8), make_seq(1, 8, max_tokens=8), make_seq(2, 4, max_tokens=2)
+    for seq in (a, b, c):
+        sched.add(seq)
+    swapped_out = swapped_in = 0
+    for _ in range(100):
+        out = run_step(sched)
+        for seq in out.preempted:
+            assert seq.status is Status.SWAPPED and seq.num_computed > 0  # nothing to recompute
+            assert len(seq.host_blocks) == -(-seq.num_computed // 4)
+        swapped_out += len(out.swap_out)
+        swapped_in += len(out.swap_in)
+        assert not (out.swap_out and out.swap_in)  # never both in one step: no block is read after reuse
+        if not sched.has_work():
+            break
+    assert swapped_out > 0 and swapped_in == swapped_out
+    assert sched.num_recomputed == 0 and sched.num_swapped_out > 0
+    assert all(len(s.output_token_ids) == s.max_tokens for s in (a, b, c))
+    assert pool.num_free == pool.capacity and swap.num_free == swap.num_blocks
+
+
+def test_admission_matches_the_prefix_cache_and_computes_the_rest():
+    pool = BlockPool(num_blocks=32, block_size=4, enable_caching=True)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    first = make_seq(0, 14, max_tokens=1)
+    sched.add(first)
+    run_step(sched)  # computes 14 tokens: 3 full blocks published, then finishes
+    assert first.finished and pool.num_cached == 3
+    second = Sequence(seq_id=1, request_id="1", index=0, prompt_token_ids=list(range(13)) + [99],
+                      params=SamplingParams(max_tokens=1), seed=1, arrival=1, max_tokens=1)
+    sched.add(second)
+    out = sched.schedule()
+    assert [s.num_new for s in out.scheduled] == [14 - 12]  # 12 tokens came from the cache
+    assert second.num_cached_tokens == 12 and pool.hit_tokens == 12 and pool.queried_tokens == 14 + 14
+
+
+def test_admission_is_first_come_first_served():
+    pool = BlockPool(num_blocks=200, block_size=4)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=10, chunked_prefill=False)
+    sched.add(make_seq(0, 4))
+    sched.add(make_seq(1, 9))  # does not fit what the first leaves
+    sched.add(make_seq(2, 2))  # would fit, but must not overtake
+    out = sched.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [0]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -4,7 +4,9 @@ The fake has the interface of ``fd_core.engine.client.AsyncEngineClient``: a byt
 tokenizer (id = byte + 3), and a generator that writes ``"abcdefghij..."`` one character per
 token (choice ``i`` starts ``i`` letters later), honours max_tokens, stop strings, EOS-free
 generation and logprobs, and records aborts, so what the server does with each field can be
-checked exactly.
+checked exactly. A toy prefix cache (whole blocks of ``BLOCK`` tokens, keyed by the cache salt
+and the tokens before them, the prompt's last token never matched) reports
+``num_cached_tokens`` as the real engine does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError
 
 MODEL = "fake-model"
+BLOCK = 16  # the fake's prefix-cache block size
 LETTERS = string.ascii_lowercase
 
 
@@ -72,6 +75,10 @@ class FakeEngineClient:
         self.healthy = True
         self.fail_with: BaseException | None = None
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.salts: dict[str, str | None] = {}  # the cache_salt each request id came with
+        self.cached_prefixes: set[tuple] = set()  # (salt, tokens of whole blocks)
+        self.queried_tokens = 0
+        self.hit_tokens = 0
         self.active: set[str] = set()
         self.aborted: set[str] = set()  # the server may abort explicitly and by closing the iterator
         self.generation_tokens = 0
@@ -95,14 +102,26 @@ class FakeEngineClient:
         if self._dead is not None:
             self._dead.set()
 
+    def _lookup(self, ids: list[int], salt: str | None) -> int:
+        """Prompt tokens the toy prefix cache holds; then it holds the whole prompt's blocks."""
+        cached = 0
+        while cached + BLOCK <= len(ids) - 1 and (salt, tuple(ids[:cached + BLOCK])) in self.cached_prefixes:
+            cached += BLOCK
+        self.cached_prefixes.update((salt, tuple(ids[:end])) for end in range(BLOCK, len(ids) + 1, BLOCK))
+        self.queried_tokens += len(ids)
+        self.hit_tokens += cached
+        return cached
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead is None:
             self._dead = asyncio.Event()
         if not self.healthy:
             raise EngineDeadError("engine-core process exited")
         self.check_prompt(prompt_token_ids)
         self.requests.append((request_id, list(prompt_token_ids), params))
+        self.salts[request_id] = cache_salt
+        num_cached = self._lookup(list(prompt_token_ids), cache_salt)
         self.active.add(request_id)
         finished = False
         try:
@@ -146,7 +165,7 @@ class FakeEngineClient:
                     [CompletionOutput(o.index, o.text, list(o.ids), -0.25 * len(o.ids),
                                       list(o.logprobs) if params.logprobs is not None else None, o.finish)
                      for o in outs],
-                    finished=done)
+                    finished=done, num_cached_tokens=num_cached)
             finished = True
         finally:
             self.active.discard(request_id)
@@ -160,7 +179,13 @@ class FakeEngineClient:
     def metrics(self) -> dict:
         return {"num_running": len(self.active), "num_waiting": 0, "kv_cache_usage": 0.0,
                 "num_free_blocks": 100, "num_blocks": 100, "prompt_tokens_total": 0,
-                "generation_tokens_total": self.generation_tokens, "preemptions_total": 0}
+                "generation_tokens_total": self.generation_tokens, "preemptions_total": 0,
+                "prompt_tokens_computed_total": self.queried_tokens - self.hit_tokens,
+                "prefix_cache_queried_tokens_total": self.queried_tokens,
+                "prefix_cache_hit_tokens_total": self.hit_tokens,
+                "prefix_cache_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+                "prefix_cache_blocks": len(self.cached_prefixes), "prefix_cache_evictions_total": 0,
+                "swapped_out_total": 0, "recomputed_total": 0, "num_swapped": 0}
 
     async def shutdown(self) -> None:
         pass
@@ -239,7 +264,8 @@ def test_chat_basic_fields(http):
     assert choice == {"index": 0, "message": {"role": "assistant", "content": "abcde"}, "logprobs": None,
                       "finish_reason": "length"}
     prompt = len("<user>hi\n<assistant>")
-    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     # the chat template's text is encoded without special tokens: the template places BOS itself
     _, ids, params = http.fake.requests[-1]
     assert ids[0] != 1 and params.max_tokens == 5
@@ -353,7 +379,8 @@ def test_completion_basic(http):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     (choice,) = body["choices"]
     assert choice["text"] == "abcdefghijklmnop" and choice["finish_reason"] == "length"  # OpenAI's default 16
-    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 16, "total_tokens": 22}
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 16, "total_tokens": 22,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert http.fake.requests[-1][1][0] == 1  # plain prompts get the model's BOS
 
 
@@ -369,7 +396,8 @@ def test_completion_prompt_forms(http):
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2, 3]
     assert [c["text"] for c in choices] == ["ab", "bc", "ab", "bc"]
-    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    assert r.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     r = complete(http, prompt=[[5, 6], [7]], max_tokens=1)
     assert len(r.json()["choices"]) == 2
     assert [req[1] for req in http.fake.requests[-2:]] == [[5, 6], [7]]
@@ -410,6 +438,80 @@ def test_completion_stream(http):
             tokens.setdefault(choice["index"], []).extend(choice["logprobs"]["tokens"])
     assert offsets == {0: [0, 1, 2], 1: [0, 1, 2]}
     assert tokens == {0: ["a", "b", "c"], 1: ["b", "c", "d"]}
+
+
+# -- prefix cache: cache_salt in, usage.prompt_tokens_details.cached_tokens out -------------
+
+
+def cached(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_completion_cached_tokens(http):
+    prompt = "x" * 40  # 41 tokens with BOS: two whole blocks can come from the cache
+    assert cached(complete(http, prompt=prompt, max_tokens=2)) == 0
+    assert cached(complete(http, prompt=prompt, max_tokens=2)) == 2 * BLOCK
+    # once per prompt, not once per choice
+    r = complete(http, prompt=prompt, max_tokens=2, n=3)
+    assert cached(r) == 2 * BLOCK and r.json()["usage"]["prompt_tokens"] == 41
+    # several prompts: each one's own, summed like prompt_tokens
+    r = complete(http, prompt=[prompt, "y" * 40, prompt], max_tokens=1)
+    assert cached(r) == 2 * 2 * BLOCK and r.json()["usage"]["prompt_tokens"] == 3 * 41
+    chunks = events(complete(http, prompt=prompt, max_tokens=2, n=2, stream=True,
+                             stream_options={"include_usage": True}))
+    assert chunks[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2 * BLOCK}
+    assert all(c["usage"] is None for c in chunks[:-2])
+
+
+def test_chat_cached_tokens_and_cache_salt(http):
+    messages = [{"role": "user", "content": "y" * 40}]  # 58 prompt tokens: three whole blocks
+    assert cached(chat(http, messages=messages, max_tokens=2)) == 0
+    assert cached(chat(http, messages=messages, max_tokens=2, n=2)) == 3 * BLOCK
+    chunks = events(chat(http, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-2]["choices"] == [] and chunks[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 * BLOCK}
+    # a salt keeps a request's cached prefixes apart from those of other salts (and of none)
+    assert cached(chat(http, messages=messages, max_tokens=2, cache_salt="tenant-a")) == 0
+    assert cached(chat(http, messages=messages, max_tokens=2, cache_salt="tenant-a")) == 3 * BLOCK
+    assert cached(chat(http, messages=messages, max_tokens=2, cache_salt="tenant-b")) == 0
+    assert cached(complete(http, prompt="z" * 40, max_tokens=1, cache_salt="tenant-b")) == 0
+    assert cached(complete(http, prompt="z" * 40, max_tokens=1, cache_salt="tenant-b")) == 2 * BLOCK
+    salts = [http.fake.salts[request_id] for request_id, _, _ in http.fake.requests]
+    assert salts == [None] * 3 + ["tenant-a", "tenant-a", "tenant-b", "tenant-b", "tenant-b"]
+
+
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+def test_bad_cache_salt_is_400(http, salt):
+    assert_error(chat(http, cache_salt=salt), 400, param="cache_salt")
+    assert_error(complete(http, cache_salt=salt), 400, param="cache_salt")
+    assert not http.fake.requests
+
+
+def test_cache_salt_must_be_unicode(http):
+    body = b'{"model": "fake-model", "prompt": "hi", "cache_salt": "a\\ud800"}'  # a lone surrogate
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, param="cache_salt")
+    assert not http.fake.requests
+
+
+def test_prefix_cache_and_preemption_metrics(http):
+    for _ in range(2):
+        complete(http, prompt="x" * 40, max_tokens=1)
+    text = http.get("/metrics").text
+    fake = http.fake
+    assert (fake.queried_tokens, fake.hit_tokens) == (82, 32)
+    expected = {
+        "fd_prefix_cache_queries_total": 82.0, "fd_prefix_cache_hits_total": 32.0,
+        "fd_prefix_cache_hit_rate": 32 / 82, "fd_prefix_cache_blocks": 2.0, "fd_prefix_cache_evictions_total": 0.0,
+        "fd_preemptions_swap_total": 0.0, "fd_preemptions_recompute_total": 0.0, "fd_num_requests_swapped": 0.0,
+        "fd_prompt_tokens_computed_total": 50.0,
+    }
+    for name, value in expected.items():
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+        assert float(line.split()[1]) == pytest.approx(value), line
+        kind = "counter" if name.endswith("_total") else "gauge"
+        assert f"# TYPE {name} {kind}" in text
+        assert f"# HELP {name} " in text
 
 
 # -- errors ----------------------------------------------------------------------------------

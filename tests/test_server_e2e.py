@@ -420,3 +420,31 @@ def test_smollm2_answers(smollm2):
     streamed = oai.chat.completions.create(model=name, messages=question, temperature=0, max_tokens=16, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == answer
     json.dumps(plain.model_dump())  # the whole response is plain JSON
+
+
+@pytest.mark.slow
+def test_smollm2_prefix_cache(smollm2):
+    srv, name = smollm2
+    oai = srv.openai()
+    block = 16  # fd serve's default --block-size
+    # a prompt no other test sends, long enough for several whole blocks
+    prompt = "Prefix caching check. " + "The quick brown fox jumps over the lazy dog. " * 8
+    args = dict(model=name, prompt=prompt, temperature=0, max_tokens=2)
+
+    def cached(usage) -> int:
+        return usage.prompt_tokens_details.cached_tokens
+
+    first = oai.completions.create(**args).usage
+    assert first.prompt_tokens >= 64 and cached(first) == 0
+    second = oai.completions.create(**args).usage
+    assert second.prompt_tokens == first.prompt_tokens
+    assert 0 < cached(second) <= second.prompt_tokens and cached(second) % block == 0
+    # the streamed usage chunk reports it too, once for the prompt however many choices
+    chunks = list(oai.completions.create(**args, n=2, stream=True, stream_options={"include_usage": True}))
+    assert cached(chunks[-1].usage) == cached(second)
+    m = srv.metrics()
+    assert m["fd_prefix_cache_hits_total"] > 0 and 0 < m["fd_prefix_cache_hit_rate"] <= 1
+    assert m["fd_prefix_cache_queries_total"] >= m["fd_prefix_cache_hits_total"]
+    # another salt shares nothing with unsalted requests, then hits its own entries
+    salted = [oai.completions.create(**args, extra_body={"cache_salt": "tenant-b"}).usage for _ in range(2)]
+    assert cached(salted[0]) == 0 and cached(salted[1]) == cached(second)

@@ -62,6 +62,8 @@ class RequestResult:
     e2e: float = 0.0  # seconds
     itl: list[float] = field(default_factory=list)  # seconds between content chunks
     usage_seen: bool = False  # token counts came from the server, not from counting chunks
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
+    token_times: list[float] = field(default_factory=list)  # time.perf_counter() of each chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +122,11 @@ def _chunk_text(endpoint: str, chunk: dict[str, Any]) -> str:
 
 
 async def send_one(client: Any, path: str, body: dict[str, Any], endpoint: str,
-                   fallback_prompt_tokens: int) -> RequestResult:
-    result = RequestResult(prompt_tokens=fallback_prompt_tokens)
+                   fallback_prompt_tokens: int, result: RequestResult | None = None) -> RequestResult:
+    """Stream one request. Filled in as chunks arrive into ``result`` when given, so a caller
+    that cancels the call midway still has what came before."""
+    result = result or RequestResult()
+    result.prompt_tokens = fallback_prompt_tokens
     chunks = 0
     start = time.perf_counter()
     last = start
@@ -149,11 +154,15 @@ async def send_one(client: Any, path: str, body: dict[str, Any], endpoint: str,
                     result.itl.append(now - last)
                 last = now
                 chunks += 1
+                result.token_times.append(now)
             usage = chunk.get("usage")
             if usage:
                 result.usage_seen = True
                 result.output_tokens = int(usage.get("completion_tokens") or 0)
                 result.prompt_tokens = int(usage.get("prompt_tokens") or fallback_prompt_tokens)
+                details = usage.get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    result.cached_tokens = int(details["cached_tokens"])
     result.e2e = time.perf_counter() - start
     if chunks == 0:
         result.error = "the stream ended without any content"

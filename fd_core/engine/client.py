@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from fd_core import errors
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.core import CoreOutput, check_params, check_prompt
+from fd_core.engine.core import CoreOutput, check_cache_salt, check_params, check_prompt
 from fd_core.engine.core_process import (
     Abort, AddRequest, ClientMessage, CoreMessage, Failed, Ready, Shutdown, Stats, StepOutputs,
     params_to_wire, run_core,
@@ -70,8 +70,11 @@ class AsyncEngineClient:
         # use ``await AsyncEngineClient.start(config)``; this only sets the fields
         self.config = config
         self.tokenizer: Tokenizer | None = None  # loaded in this process, for the front end
+        # from the core's Ready message: the model's and the resolved engine's figures
         self.max_model_len = 0
         self.vocab_size = 0
+        self.max_num_batched_tokens = 0
+        self.chunked_prefill = True
         self.eos_token_ids: frozenset[int] = frozenset()
         self._proc = None
         self._dir = tempfile.mkdtemp(prefix="fd-")
@@ -133,6 +136,8 @@ class AsyncEngineClient:
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = frozenset(ready.eos_token_ids)
+        self.max_num_batched_tokens = ready.max_num_batched_tokens
+        self.chunked_prefill = ready.chunked_prefill
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._processor = OutputProcessor(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_loop(), name="fd-engine-reader"),
@@ -176,8 +181,8 @@ class AsyncEngineClient:
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a prompt the core would reject."""
-        check_prompt(token_ids, self.vocab_size, self.max_model_len,
-                     self.config.max_num_batched_tokens, self.config.enable_chunked_prefill)
+        check_prompt(token_ids, self.vocab_size, self.max_model_len, self.max_num_batched_tokens,
+                     self.chunked_prefill)
 
     def check_params(self, params: SamplingParams) -> None:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
@@ -190,19 +195,26 @@ class AsyncEngineClient:
     # -- requests --------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after every step that changed it; the last one
-        has ``finished=True``. Stopping early (break, cancellation) aborts it in the core."""
+        has ``finished=True``. Stopping early (break, cancellation) aborts it in the core.
+
+        ``cache_salt`` (a non-empty string) keeps the request's prefix-cache entries apart:
+        only requests with the same salt share cached prompt blocks. ``num_cached_tokens`` of
+        the outputs says how many prompt tokens the prefix cache supplied."""
         self._raise_if_dead()
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
         token_ids = [int(t) for t in prompt_token_ids]
         stream = _Stream(request_id, str(next(self._wire_ids)))
         self._streams[request_id] = stream
         self._by_wire_id[stream.wire_id] = stream
         self._processor.add_request(request_id, prompt_text, token_ids, params)
         try:
-            self._send(AddRequest(stream.wire_id, token_ids, params_to_wire(params)))
+            self._send(AddRequest(stream.wire_id, token_ids, params_to_wire(params), cache_salt))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -268,7 +280,7 @@ class AsyncEngineClient:
             stream = self._by_wire_id.get(w.request_id)
             if stream is not None:  # else it was aborted here while the core computed it
                 outputs.append(CoreOutput(stream.request_id, w.index, w.token_id, w.logprob, w.rank,
-                                          w.top, w.finish_reason, w.stop_reason))
+                                          w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens))
         results, stopped = self._processor.process(outputs)
         for request_id, index in stopped:  # stop strings end sequences on this side
             self._send(Abort(self._streams[request_id].wire_id, index), quiet=True)

@@ -8,6 +8,7 @@ from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
 
 GiB = 1 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
 
 
 @dataclass
@@ -18,6 +19,12 @@ class EngineConfig:
     ``gpu_memory_utilization`` (default 0.9) of the device memory minus what the model occupies
     after a profiling pass; otherwise ``kv_cache_memory_gb`` GiB (default 2, capped at half the
     free host RAM) — the CPU backend's way.
+
+    Left as None, ``enable_prefix_caching`` and ``enable_chunked_prefill`` are on where the
+    backend supports them, and ``max_num_batched_tokens`` is the platform's proposal (its
+    ``default_max_num_batched_tokens``, else 2048) — or, with chunked prefill off, large enough
+    for a ``max_model_len`` prompt. ``resolve`` fills them in; asked for explicitly, a feature
+    the backend lacks stops start-up.
     """
 
     model: str
@@ -25,12 +32,14 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     gpu_memory_utilization: float | None = None  # default 0.9 where the backend profiles memory
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool | None = None
+    swap_space: float = 0.0  # GiB of host memory for preemption by swap; 0: recompute instead
     seed: int = 0
     op_pins: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
@@ -51,11 +60,15 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
         if not 0 < self.kv_cache_memory_gb:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
+            raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def check_against(self, backend: str, caps: Capabilities) -> None:
-        """Fail with one sentence naming the flag and the backend, before anything loads."""
+        """Check the config against the backend's manifest — failing with one sentence naming
+        the flag and the backend, before anything loads — and fill in the feature defaults
+        that depend on it."""
         if self.dtype not in caps.dtypes:
             raise ConfigError(f"--dtype {self.dtype}: the {backend} backend supports {sorted(caps.dtypes)}")
         if self.tensor_parallel_size > caps.device_count:
@@ -82,3 +95,21 @@ class EngineConfig:
             raise ConfigError(
                 f"--enable-chunked-prefill: the {backend} backend does not support chunked prefill"
             )
+        if self.enable_prefix_caching and not caps.prefix_caching:
+            raise ConfigError(
+                f"--enable-prefix-caching: the {backend} backend does not support prefix caching"
+            )
+        if self.swap_space and not caps.kv_swap:
+            raise ConfigError(
+                f"--swap-space: the {backend} backend cannot move KV-cache blocks to host memory"
+            )
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = caps.chunked_prefill
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = caps.prefix_caching
+
+    def resolve_budget(self, max_model_len: int, platform_default: int | None = None) -> None:
+        """Fill in the step's token budget once the model's length is known."""
+        if self.max_num_batched_tokens is None:
+            budget = platform_default or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(budget, max_model_len)

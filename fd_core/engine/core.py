@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fd_core.engine.block_pool import BlockPool
-from fd_core.engine.config import GiB, EngineConfig
+from fd_core.engine.config import EngineConfig, GiB
 from fd_core.engine.model_runner import ModelRunner, StepResult
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import Scheduler
 from fd_core.engine.sequence import Sequence, Status
+from fd_core.engine.swap import SwapSpace
 from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fd_core.interfaces import Platform
 
@@ -41,6 +42,7 @@ class CoreOutput:
     top: list[tuple[int, float]] = field(default_factory=list)  # when logprobs were asked for
     finish_reason: str | None = None
     stop_reason: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (the same every step)
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
@@ -71,6 +73,15 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}")
 
 
+def check_cache_salt(salt: object) -> None:
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string")
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: it could not be hashed
+        raise InvalidRequestError("cache_salt must be valid Unicode text") from None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.loader import load_checkpoint, resolve_model
@@ -93,6 +104,7 @@ class EngineCore:
                 f"--max-model-len {config.max_model_len} exceeds the model's context length {model_len}"
             )
         self.max_model_len = config.max_model_len or model_len
+        config.resolve_budget(self.max_model_len, getattr(self.platform, "default_max_num_batched_tokens", None))
 
         self.memory = self.platform.memory(0)
         self.ops = registry.op_table(
@@ -114,21 +126,35 @@ class EngineCore:
                 f"num_kv_blocks) or lower max_model_len"
             )
         self.runner.initialize_kv_cache(num_blocks, config.dtype)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
+        swap = None
+        if config.swap_space:
+            num_host_blocks = int(config.swap_space * GiB // self._kv_block_bytes())
+            if num_host_blocks < 1:
+                raise ConfigError(f"--swap-space {config.swap_space} GiB holds less than one KV-cache block")
+            self.runner.initialize_swap_space(num_host_blocks, config.dtype)
+            swap = SwapSpace(num_host_blocks)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, swap)
         self.seqs: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+        # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
+        # skip some, recomputation after preemption repeats some)
+        self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
+                      "preemptions": 0}
+
+    def _kv_block_bytes(self) -> int:
+        c, m = self.config, self.model_config
+        dtype_bytes = 2 if c.dtype in ("bfloat16", "float16") else 4
+        return 2 * m.num_hidden_layers * c.block_size * m.num_key_value_heads * m.head_dim * dtype_bytes
 
     def _num_kv_blocks(self) -> int:
-        c, m = self.config, self.model_config
+        c = self.config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        dtype_bytes = 2 if c.dtype in ("bfloat16", "float16") else 4
-        per_block = 2 * m.num_hidden_layers * c.block_size * m.num_key_value_heads * m.head_dim * dtype_bytes
+        per_block = self._kv_block_bytes()
         budget = c.kv_cache_memory_gb * GiB
         free, _ = self.memory.memory_info()
         if free:
@@ -141,12 +167,17 @@ class EngineCore:
 
     # -- requests --------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request. ``cache_salt`` keeps its prefix-cache entries apart from those of
+        requests with another salt (tenants that must not learn each other's prompts)."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
         check_params(params, self.model_config.vocab_size)
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
@@ -156,10 +187,14 @@ class EngineCore:
                 seq_id=next(self._seq_ids), request_id=request_id, index=i,
                 prompt_token_ids=token_ids, params=params,
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
-                max_tokens=max_tokens,
+                max_tokens=max_tokens, cache_salt=cache_salt,
             )
             seqs.append(seq)
-            self.scheduler.add(seq)
+        # the first computes the prompt; the others fork from it (Scheduler.fork)
+        seqs[0].forks = seqs[1:]
+        for child in seqs[1:]:
+            child.fork_of = seqs[0]
+        self.scheduler.add(seqs[0])
         self.seqs[request_id] = seqs
         self.stats["prompt_tokens"] += len(token_ids) * params.n
 
@@ -168,7 +203,7 @@ class EngineCore:
         seqs = self.seqs.get(request_id, [])
         for seq in seqs:
             if (index is None or seq.index == index) and not seq.finished:
-                self.scheduler.abort(seq)
+                self.scheduler.finish(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
         if all(s.finished for s in seqs):
             self.seqs.pop(request_id, None)
@@ -186,14 +221,24 @@ class EngineCore:
         """Run one scheduled step; return one CoreOutput per sequence that sampled a token."""
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
+        if out.swap_out:
+            self.runner.swap_out(out.swap_out)
+        if out.swap_in:
+            self.runner.swap_in(out.swap_in)
         if not out.scheduled:
             if self.scheduler.has_work() and not out.preempted:
                 raise RuntimeError("the scheduler made no progress; this is a bug in fd")
             return []
         result = self.runner.execute(out.scheduled)
+        parents = [s.seq for s in out.scheduled if s.seq.forks and s.samples]
         self.stats["steps"] += 1
-        for s in out.scheduled:
-            s.seq.num_computed += s.num_new
+        self.stats["prompt_tokens_computed"] += sum(
+            max(0, min(s.seq.num_computed + s.num_new, len(s.seq.prompt_token_ids)) - s.seq.num_computed)
+            for s in out.scheduled
+        )
+        self.scheduler.advance(out)
+        for parent in parents:  # the siblings sampled from its logits: now they run on their own
+            self.runner.copy_blocks(self.scheduler.fork(parent))
         return self._apply(result)
 
     def _apply(self, result: StepResult) -> list[CoreOutput]:
@@ -201,14 +246,14 @@ class EngineCore:
             return []
         o = result.output
         outputs = []
-        for row, s in enumerate(result.sampled):
-            seq = s.seq
+        for row, seq in enumerate(result.sampled):
             token = int(o.token_ids[row])
             seq.output_token_ids.append(token)
             self.stats["generation_tokens"] += 1
             k = seq.params.logprobs or 0
             top = [(int(t), float(lp)) for t, lp in zip(o.top_ids[row][:k], o.top_logprobs[row][:k])]
-            output = CoreOutput(seq.request_id, seq.index, token, float(o.logprobs[row]), int(o.ranks[row]), top)
+            output = CoreOutput(seq.request_id, seq.index, token, float(o.logprobs[row]), int(o.ranks[row]), top,
+                                num_cached_tokens=max(0, seq.num_cached_tokens))
             self._check_finish(seq, token, output)
             outputs.append(output)
         return outputs
@@ -231,3 +276,17 @@ class EngineCore:
 
     def kv_usage(self) -> float:
         return self.pool.usage()
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache and preemption figures for metrics."""
+        pool, sched = self.pool, self.scheduler
+        return {
+            "prefix_cache_queried_tokens": pool.queried_tokens,
+            "prefix_cache_hit_tokens": pool.hit_tokens,
+            "prefix_cache_hit_rate": pool.hit_rate(),
+            "prefix_cache_blocks": pool.num_cached,
+            "prefix_cache_evictions": pool.evictions,
+            "swapped_out": sched.num_swapped_out,
+            "recomputed": sched.num_recomputed,
+            "num_swapped": sched.num_swapped,
+        }

@@ -42,6 +42,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     token_ids: list[int]
     params: dict[str, Any]  # SamplingParams init fields that differ from the defaults
+    cache_salt: str | None = None  # keeps the request's prefix-cache entries apart from others'
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -64,6 +65,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     eos_token_ids: list[int]
     num_blocks: int
+    max_num_batched_tokens: int  # as resolved against the backend
+    chunked_prefill: bool
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -86,6 +89,7 @@ class WireOutput(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
     finish_reason: str | None
     stop_reason: int | None
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this sequence
 
 
 class Stats(msgspec.Struct, array_like=True):
@@ -96,7 +100,19 @@ class Stats(msgspec.Struct, array_like=True):
     num_blocks: int = 0  # blocks requests can use: the reserved block 0 is not counted
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    preemptions_total: int = 0
+    preemptions_total: int = 0  # by swap and by recompute
+    # tokens: the prompt tokens the model actually ran (prefix-cache hits and forks skip some,
+    # recomputation after a preemption repeats some)
+    prompt_tokens_computed_total: int = 0
+    # the prefix cache, in tokens looked up / found at admission (readmissions included)
+    prefix_cache_queried_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_hit_rate: float = 0.0  # hit / queried since the core started
+    prefix_cache_blocks: int = 0  # blocks holding a cached prefix now (in use or free)
+    prefix_cache_evictions_total: int = 0
+    swapped_out_total: int = 0  # preemptions by swap to host memory
+    recomputed_total: int = 0  # preemptions by recompute
+    num_swapped: int = 0  # sequences whose KV cache is in host memory now
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -161,7 +177,8 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
         outbox.send(encoder.encode(Ready(
             model=config.model, max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
-            num_blocks=core.pool.capacity,
+            num_blocks=core.pool.capacity, max_num_batched_tokens=config.max_num_batched_tokens,
+            chunked_prefill=config.enable_chunked_prefill,
         )))
         try:
             _serve(core, inbox, outbox, encoder, parent_pid)
@@ -193,18 +210,25 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _stats(core) -> Stats:
-    pool, s = core.pool, core.stats
+    pool, s, c = core.pool, core.stats, core.cache_stats()
     return Stats(
         num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
         kv_cache_usage=pool.usage(), num_free_blocks=pool.num_free, num_blocks=pool.capacity,
         prompt_tokens_total=s["prompt_tokens"], generation_tokens_total=s["generation_tokens"],
-        preemptions_total=s["preemptions"],
+        preemptions_total=s["preemptions"], prompt_tokens_computed_total=s["prompt_tokens_computed"],
+        prefix_cache_queried_tokens_total=int(c["prefix_cache_queried_tokens"]),
+        prefix_cache_hit_tokens_total=int(c["prefix_cache_hit_tokens"]),
+        prefix_cache_hit_rate=float(c["prefix_cache_hit_rate"]),
+        prefix_cache_blocks=int(c["prefix_cache_blocks"]),
+        prefix_cache_evictions_total=int(c["prefix_cache_evictions"]),
+        swapped_out_total=int(c["swapped_out"]), recomputed_total=int(c["recomputed"]),
+        num_swapped=int(c["num_swapped"]),
     )
 
 
 def _wire(o) -> WireOutput:
     return WireOutput(o.request_id, o.index, o.token_id, o.logprob, o.rank, o.top,
-                      o.finish_reason, o.stop_reason)
+                      o.finish_reason, o.stop_reason, o.num_cached_tokens)
 
 
 def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,
@@ -238,7 +262,8 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
                 core.abort(msg.request_id, msg.index)
                 continue
             try:
-                core.add_request(msg.request_id, msg.token_ids, params_from_wire(msg.params))
+                core.add_request(msg.request_id, msg.token_ids, params_from_wire(msg.params),
+                                 msg.cache_salt)
             except Exception as e:  # this request only; the others go on
                 outbox.send(encoder.encode(Failed(type(e).__name__, str(e), msg.request_id)))
         if core.has_unfinished_requests():

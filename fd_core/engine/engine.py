@@ -25,18 +25,19 @@ class LLMEngine:
     max_model_len = property(lambda self: self.core.max_model_len)
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
     pool = property(lambda self: self.core.pool)
+    scheduler = property(lambda self: self.core.scheduler)
     runner = property(lambda self: self.core.runner)
     memory = property(lambda self: self.core.memory)
     stats = property(lambda self: self.core.stats)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    prompt_text: str | None = None) -> None:
+                    prompt_text: str | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt]
-        self.core.add_request(request_id, token_ids, params)
+        self.core.add_request(request_id, token_ids, params, cache_salt)
         self.processor.add_request(request_id, prompt_text, token_ids, params)
 
     def abort_request(self, request_id: str) -> None:

@@ -14,16 +14,25 @@ from typing import Any
 import numpy as np
 
 from fd_core.engine.scheduler import ScheduledSeq
-from fd_core.interfaces import AttentionMetadata, Memory, ModelRunnerHooks, SampleOutput, SamplingBatch
+from fd_core.engine.sequence import Sequence
+from fd_core.interfaces import (
+    AttentionMetadata,
+    Memory,
+    ModelRunnerHooks,
+    SampleOutput,
+    SamplingBatch,
+)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
 class StepResult:
-    """Sampled tokens for the rows of a step that sample, in scheduling order."""
+    """Sampled tokens, one row per sequence in ``sampled``: the scheduled sequences whose step
+    reached their end, each followed by the siblings waiting to fork from it (they sample from
+    the same logits, each with its own seed)."""
 
-    sampled: list[ScheduledSeq]
+    sampled: list[Sequence]
     output: SampleOutput | None
 
 
@@ -36,6 +45,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
         self.kv_caches: list[tuple[Any, Any]] = []
+        self.host_caches: list[tuple[Any, Any]] = []  # swap space
         self.forward = model.forward
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
         if wrap is not None:
@@ -47,15 +57,35 @@ class ModelRunner:
             c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim, dtype
         )
 
+    def initialize_swap_space(self, num_blocks: int, dtype: str = "float32") -> None:
+        c = self.model.config
+        self.host_caches = self.memory.allocate_host_kv_cache(
+            c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads, c.head_dim, dtype
+        )
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.memory.swap_blocks(self.kv_caches, self.host_caches, self.block_size, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.memory.swap_blocks(self.host_caches, self.kv_caches, self.block_size, pairs)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.memory.copy_blocks(self.kv_caches, self.block_size, pairs)
+
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
         ids, positions, meta, rows = self._prepare(scheduled)
         to = self.memory.from_numpy
         hidden = self.forward(to(ids), to(positions), self.kv_caches, meta)
-        sampled = [scheduled[i] for i in rows]
+        sampled: list[Sequence] = []
+        row_index: list[int] = []
+        for i in rows:
+            seq = scheduled[i].seq
+            for s in (seq, *seq.forks):
+                sampled.append(s)
+                row_index.append(int(meta.query_start_loc[i + 1]) - 1)
         if not sampled:
             return StepResult([], None)
-        row_index = np.asarray(meta.query_start_loc[1:][rows] - 1, dtype=np.int64)
-        logits = self.model.compute_logits(hidden, to(row_index))
+        logits = self.model.compute_logits(hidden, to(np.asarray(row_index, dtype=np.int64)))
         return StepResult(sampled, self.ops.sample(logits, self._sampling_batch(sampled)))
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
@@ -90,8 +120,7 @@ class ModelRunner:
         rows = [i for i, s in enumerate(scheduled) if s.samples]
         return ids, positions, meta, rows
 
-    def _sampling_batch(self, sampled: list[ScheduledSeq]) -> SamplingBatch:
-        seqs = [s.seq for s in sampled]
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
 
         def col(name: str, dtype: Any) -> np.ndarray:

@@ -34,6 +34,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     outputs: list[_Output]
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -75,6 +76,8 @@ class OutputProcessor:
             out = request.outputs[co.index]
             if out.finish_reason is not None:
                 continue
+            if co.index == 0:
+                request.num_cached_tokens = co.num_cached_tokens
             state = out.state
             state.output_token_ids.append(co.token_id)
             out.cumulative_logprob += co.logprob
@@ -116,4 +119,4 @@ class OutputProcessor:
             for i, o in enumerate(request.outputs)
         ]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             request.finished)
+                             request.finished, request.num_cached_tokens)

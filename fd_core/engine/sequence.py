@@ -11,17 +11,23 @@ from fd_core.engine.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV blocks in host memory; waiting to come back
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """The unit the scheduler and block pool work on; a request with ``n`` outputs has ``n``.
 
     ``num_computed`` counts tokens whose K/V are in the cache. A step computes
     ``tokens[num_computed : num_computed + k]``; when that reaches the end of ``tokens`` the step
     also samples the next token. After a preemption by recompute ``num_computed`` goes back to 0
-    and the whole sequence (prompt and generated tokens) is prefilled again.
+    and the whole sequence (prompt and generated tokens) is prefilled again, less whatever the
+    prefix cache still holds; after a preemption by swap it keeps ``num_computed`` and its
+    blocks wait in host memory (``host_blocks``).
+
+    The ``n`` outputs of a request start as one sequence: the others wait in ``forks`` until it
+    has computed the prompt, then sample their first token from its logits and share its blocks.
     """
 
     seq_id: int
@@ -38,6 +44,13 @@ class Sequence:
     finish_reason: str | None = None
     max_tokens: int = 16
     num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries from others'
+    block_hashes: list[bytes] = field(default_factory=list)  # memo of its full blocks' hashes
+    num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache supplied; -1 until admitted
+    host_blocks: list[int] = field(default_factory=list)  # while SWAPPED
+    forks: list[Sequence] = field(default_factory=list, repr=False)  # siblings awaiting the prompt
+    fork_of: Sequence | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:

@@ -84,7 +84,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (default: the backend's choice, 2048 if it has none; "
+                        "with chunked prefill off, at least max-model-len)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of device memory for weights + KV cache (backends that profile memory)")
@@ -93,7 +95,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV-cache size in blocks")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", default=None)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts across steps, mixed with decodes (default: on where supported)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of shared prompt prefixes (default: on where supported)")
+    p.add_argument("--swap-space", type=float, default=0.0, metavar="GB",
+                   help="host memory for KV blocks of preempted requests; 0 recomputes them instead")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
 
@@ -107,7 +114,8 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, op_pins=_pins(args.op),
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+        swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
     )
 
 

@@ -35,6 +35,11 @@ class LLM:
         fields = {k: v for k, v in vars(config).items() if k != "model"}
         return cls(model=config.model, **fields)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix no request is using (e.g. between benchmark runs);
+        returns how many KV-cache blocks were dropped."""
+        return self.engine.pool.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -17,8 +17,13 @@ class Capabilities:
     quantization: frozenset[str] = frozenset()  # e.g. {"wint8", "wint4", "fp8"}
     kv_cache_dtypes: frozenset[str] = frozenset({"float32"})
     graph_capture: bool = False
+    # the attention op reads a cached prefix for a query that starts at a block boundary
+    # (the engine does the caching itself; this only says the kernel can use it)
     prefix_caching: bool = False
+    # the attention op mixes prefill chunks (attending to earlier chunks) and decodes in a step
     chunked_prefill: bool = False
+    # Memory.allocate_host_kv_cache / swap_blocks work: preemption by swap (--swap-space)
+    kv_swap: bool = False
     speculative_methods: frozenset[str] = frozenset()
     collective_library: str = "none"  # "none" (single process), "gloo", "nccl", "bkcl", ...
     pinned_host_memory: bool = False

@@ -50,6 +50,32 @@ class Memory(Protocol):
         """Copy whole blocks ``src -> dst`` in every layer, in place."""
         ...
 
+    # Since API 1.1, and needed only where Capabilities.kv_swap is declared:
+
+    def allocate_host_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> list[tuple[Tensor, Tensor]]:
+        """A KV cache in the layout above in host memory (page-locked where the backend
+        declares ``pinned_host_memory``), the swap space for preempted sequences."""
+        ...
+
+    def swap_blocks(
+        self,
+        src: list[tuple[Tensor, Tensor]],
+        dst: list[tuple[Tensor, Tensor]],
+        block_size: int,
+        src_to_dst: Sequence[tuple[int, int]],
+    ) -> None:
+        """Copy whole blocks from one cache to another — device to host or host to device —
+        in every layer; done when the call returns."""
+        ...
+
     def memory_info(self) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of the device; host RAM for the CPU."""
         ...

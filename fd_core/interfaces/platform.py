@@ -23,6 +23,9 @@ class Platform(Protocol):
     name: str
     device_type: str
     runtime: str
+    # Optional (API 1.1): the step token budget this chip wants when the user gives none,
+    # e.g. a slow device picks a small one so a long prefill does not stall streams for long.
+    # default_max_num_batched_tokens: int
 
     def is_available(self) -> tuple[bool, str]:
         """Whether at least one device can be used now; if not, one sentence saying why."""

@@ -21,6 +21,7 @@ from fd_server.protocol import (
     ChatLogprob,
     ChatStreamChoice,
     DeltaMessage,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -48,7 +49,7 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs)
     batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival)
-    batch.submit(prompt_ids, sampling, prompt_text)
+    batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:
         return SSEResponse(_events(ctx, body, batch, len(prompt_ids), logprobs), on_close=batch.close)
     (output,) = await batch.final(request)
@@ -62,9 +63,13 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
         for o in output.outputs
     ]
     completion = sum(len(o.token_ids) for o in output.outputs)
-    usage = UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=completion,
-                      total_tokens=len(prompt_ids) + completion)
-    return ChatCompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices, usage=usage)
+    return ChatCompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices,
+                                  usage=_usage(len(prompt_ids), completion, output.num_cached_tokens))
+
+
+def _usage(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob]] | None, k: int | None,
@@ -126,5 +131,5 @@ async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch,
                 )])
     if include_usage:
         completion = sum(len(o.token_ids) for o in last if o is not None)
-        yield chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion,
-                                  total_tokens=prompt_len + completion))
+        latest = batch.streams[0].latest
+        yield chunk([], _usage(prompt_len, completion, latest.num_cached_tokens if latest is not None else 0))

@@ -22,6 +22,7 @@ from fd_server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from fd_server.serving import (
@@ -53,7 +54,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
         plan.append((text, ids, sampling))
     batch = Batch(ctx.monitor, new_id("cmpl"), arrival)
     for text, ids, sampling in plan:
-        batch.submit(ids, sampling, text)
+        batch.submit(ids, sampling, text, body.cache_salt)
     echoes = [_echo(ctx, text, ids) if body.echo else "" for text, ids in prompts]
     if body.stream:
         return SSEResponse(_events(ctx, body, batch, echoes), on_close=batch.close)
@@ -75,9 +76,14 @@ def _echo(ctx: ServerContext, text: str | None, ids: list[int]) -> str:
 
 
 def _usage(outputs: list[Any]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
-    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    """Usage of all the prompts; each prompt (and what the prefix cache held of it) counts once,
+    whatever ``n``."""
+    done = [o for o in outputs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in done)
+    completion = sum(len(c.token_ids) for o in done for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in done)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob]] | None, k: int | None, tokenizer: Any,

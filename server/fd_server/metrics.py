@@ -1,8 +1,9 @@
 """/metrics: Prometheus text for one app, in its own registry (several apps can share a process).
 
-Engine-side figures (queue lengths, KV cache, token and preemption totals) are read from the
-engine client at scrape time, so they are never stale; latencies are measured here, per
-request, when it finishes.
+Engine-side figures (queue lengths, KV cache, prefix cache, token and preemption totals) are
+read from the engine client at scrape time: the core's latest report, sent after every step
+and, when it is idle, every heartbeat.
+Latencies are measured here, per request, when it finishes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,29 @@ _ENGINE_FIGURES = (
     ("num_blocks", "fd_kv_cache_total_blocks", "KV-cache blocks usable by requests.", "gauge"),
     ("prompt_tokens_total", "fd_prompt_tokens", "Prompt tokens the engine accepted.", "counter"),
     ("generation_tokens_total", "fd_generation_tokens", "Tokens the engine generated.", "counter"),
-    ("preemptions_total", "fd_preemptions", "Sequences preempted for lack of KV-cache blocks.", "counter"),
+    ("preemptions_total", "fd_preemptions", "Sequences preempted for lack of KV-cache blocks (by swap or recompute).",
+     "counter"),
+    ("swapped_out_total", "fd_preemptions_swap",
+     "Preemptions that swapped the sequence's KV cache out to host memory (--swap-space).", "counter"),
+    ("recomputed_total", "fd_preemptions_recompute",
+     "Preemptions that dropped the sequence's KV cache, to be recomputed when it resumes.", "counter"),
+    ("num_swapped", "fd_num_requests_swapped",
+     "Sequences whose KV cache is swapped out to host memory, waiting to resume.", "gauge"),
+    ("prompt_tokens_computed_total", "fd_prompt_tokens_computed",
+     ("Prompt tokens the model computed: prefix-cache hits and the shared prompt of n>1 requests are "
+      "not computed again, recomputation after a preemption is counted again."), "counter"),
+    ("prefix_cache_queried_tokens_total", "fd_prefix_cache_queries",
+     ("Tokens looked up in the prefix cache when sequences were admitted, readmissions after a "
+      "recompute preemption included (with prefix caching off, every lookup misses)."), "counter"),
+    ("prefix_cache_hit_tokens_total", "fd_prefix_cache_hits",
+     "Tokens of those lookups the prefix cache supplied (whole blocks; their KV cache was reused).", "counter"),
+    ("prefix_cache_hit_rate", "fd_prefix_cache_hit_rate",
+     ("fd_prefix_cache_hits_total / fd_prefix_cache_queries_total since the engine started "
+      "(0 before any lookup)."), "gauge"),
+    ("prefix_cache_blocks", "fd_prefix_cache_blocks",
+     "KV-cache blocks holding a cached prefix, in use or free until reused.", "gauge"),
+    ("prefix_cache_evictions_total", "fd_prefix_cache_evictions",
+     "Cached prefix blocks dropped from the prefix cache to be reused for other tokens.", "counter"),
 )
 
 

@@ -36,10 +36,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    # prompt tokens whose KV cache the prefix cache supplied (counted once per prompt, whatever n)
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class SamplingFields(BaseModel):
@@ -68,6 +74,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(
+        None, min_length=1,
+        description="Only requests with the same salt share cached prompt prefixes (e.g. one salt per tenant).")
     # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
     logit_bias: dict[str, float] | None = None
 

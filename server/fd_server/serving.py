@@ -59,10 +59,11 @@ class Batch:
         self.streams: list[RequestStream] = []
         self.arrival = arrival  # time.monotonic() when the request came in, for the latency metrics
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None) -> None:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None,
+               cache_salt: str | None = None) -> None:
         request_id = self.base_id if not self.streams else f"{self.base_id}-{len(self.streams)}"
         self.streams.append(self.monitor.open(request_id, prompt_token_ids, params, prompt_text,
-                                              self.notify, self.arrival))
+                                              self.notify, self.arrival, cache_salt))
 
     def updates(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         return follow(self.streams, self.notify)

@@ -82,8 +82,10 @@ class EngineMonitor:
     # -- requests ----------------------------------------------------------------------------
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             prompt_text: str | None, notify: asyncio.Event, arrival: float) -> "RequestStream":
-        stream = RequestStream(self, request_id, prompt_token_ids, params, prompt_text, notify, arrival)
+             prompt_text: str | None, notify: asyncio.Event, arrival: float,
+             cache_salt: str | None = None) -> "RequestStream":
+        stream = RequestStream(self, request_id, prompt_token_ids, params, prompt_text, notify, arrival,
+                               cache_salt)
         self.streams.add(stream)
         return stream
 
@@ -99,12 +101,13 @@ class RequestStream:
 
     def __init__(self, monitor: EngineMonitor, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams, prompt_text: str | None, notify: asyncio.Event,
-                 arrival: float) -> None:
+                 arrival: float, cache_salt: str | None = None) -> None:
         self.monitor = monitor
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.prompt_text = prompt_text
+        self.cache_salt = cache_salt
         self.notify = notify
         self.arrival = arrival
         self.first_token_at: float | None = None
@@ -118,7 +121,7 @@ class RequestStream:
         client = self.monitor.client
         try:
             async for output in client.generate(self.request_id, self.prompt_token_ids, self.params,
-                                                prompt_text=self.prompt_text):
+                                                prompt_text=self.prompt_text, cache_salt=self.cache_salt):
                 if self.first_token_at is None and any(o.token_ids for o in output.outputs):
                     self.first_token_at = time.monotonic()
                 self.latest = output

@@ -11,13 +11,18 @@ import os
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.0"
+FD_API_VERSION = "1.1"
 
 
 class CpuPlatform:
     name = "cpu"
     device_type = "cpu"
     runtime = "paddle"
+    # A step's length bounds the gap between a stream's tokens, and a 2-core host computes
+    # roughly 100-150 prompt tokens/s: 256 keeps that gap at 2-4 s while a long prompt
+    # prefills (2048 makes it ~26 s) for ~5% more prefill time (docs/PERFORMANCE.md,
+    # "Scheduling").
+    default_max_num_batched_tokens = 256
 
     def is_available(self) -> tuple[bool, str]:
         return True, ""
@@ -31,8 +36,9 @@ class CpuPlatform:
             quantization=frozenset(),
             kv_cache_dtypes=frozenset({"float32"}),
             graph_capture=False,
-            prefix_caching=False,
+            prefix_caching=True,
             chunked_prefill=True,
+            kv_swap=True,
             collective_library="none",
             pinned_host_memory=False,
             device_count=1,

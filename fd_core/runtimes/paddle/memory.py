@@ -93,6 +93,44 @@ class PaddleMemory:
             for _ in range(num_layers)
         ]
 
+    def allocate_host_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> list[tuple[Tensor, Tensor]]:
+        # page-locked beside a GPU, so the copies in and out run at full bus speed
+        place = paddle.CUDAPinnedPlace() if isinstance(self.place, paddle.CUDAPlace) else paddle.CPUPlace()
+        shape = [num_blocks * block_size, num_kv_heads, head_dim]
+        return [
+            (paddle.zeros(shape, dtype=dtype).to(place), paddle.zeros(shape, dtype=dtype).to(place))
+            for _ in range(num_layers)
+        ]
+
+    def swap_blocks(
+        self,
+        src: list[tuple[Tensor, Tensor]],
+        dst: list[tuple[Tensor, Tensor]],
+        block_size: int,
+        src_to_dst: Sequence[tuple[int, int]],
+    ) -> None:
+        if not len(src_to_dst):
+            return
+        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
+        offsets = np.arange(block_size, dtype=np.int64)
+        src_rows = (pairs[:, :1] * block_size + offsets).reshape(-1)
+        dst_rows = (pairs[:, 1:] * block_size + offsets).reshape(-1)
+        src_place, dst_place = src[0][0].place, dst[0][0].place
+        src_index = paddle.to_tensor(src_rows, place=src_place)
+        dst_index = paddle.to_tensor(dst_rows, place=dst_place)
+        for src_layer, dst_layer in zip(src, dst):
+            for s_cache, d_cache in zip(src_layer, dst_layer):
+                rows = take_rows(s_cache, src_index)
+                put_rows(d_cache, dst_index, rows if src_place == dst_place else rows.to(dst_place))
+
     def copy_blocks(
         self,
         kv_caches: list[tuple[Tensor, Tensor]],
