@@ -33,7 +33,7 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
 @pytest.mark.parametrize("flag, message", [
     (["--quantization", "wint8"], "--quantization wint8: the cpu backend supports none"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the cpu backend"),
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: the cpu backend"),
+    (["--tensor-parallel-size", "100000"], "--tensor-parallel-size 100000: the cpu backend"),
     (["--dtype", "bfloat16"], "--dtype bfloat16: the cpu backend"),
 ])
 def test_flags_the_backend_cannot_honour_fail_at_start_up(flag, message):

@@ -1,5 +1,7 @@
-"""The Paddle reference ops equal the NumPy specification, and the specification itself agrees
-with first-principles computations (so a bug in the spec cannot hide behind an equal bug)."""
+"""The Paddle reference ops (with the host-side planning they share with the other runtimes,
+``fd_core.runtimes.host_plan``) equal the NumPy specification, and the specification itself
+agrees with first-principles computations (so a bug in the spec cannot hide behind an equal
+bug)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import paddle
 import pytest
 
 from fd_core.interfaces.ops import OP_SPECS, AttentionMetadata, QuantizedWeight, SamplingBatch
+from fd_core.runtimes import host_plan
 from fd_core.runtimes.paddle import REFERENCE_OPS
 from fd_core.runtimes.paddle import ops as pd_ops
 from fd_core.testing import spec
@@ -243,6 +246,7 @@ BATCHES = {
     "decode": [(6, 1), (1, 1), (17, 1)],
     "mixed": [(0, 5), (9, 1), (4, 3), (20, 1), (0, 1), (33, 2)],
     "long": [(0, 150), (37, 70), (100, 1)],
+    "idle": [(3, 0), (5, 4), (7, 0), (9, 1), (2, 0)],  # some sequences without new tokens
 }
 
 
@@ -253,8 +257,8 @@ BATCHES = {
 @pytest.mark.parametrize("split", [False, True])
 def test_attention(batch, block_size, heads, head_dim, split, monkeypatch):
     if split:  # prefills in many chunks, decodes in many length buckets
-        monkeypatch.setattr(pd_ops, "PREFILL_CHUNK", 3)
-        monkeypatch.setattr(pd_ops, "DECODE_BUCKET_COST", 0)
+        monkeypatch.setattr(host_plan, "PREFILL_CHUNK", 3)
+        monkeypatch.setattr(host_plan, "DECODE_BUCKET_COST", 0)
     rng = np.random.default_rng(block_size * head_dim + heads[0])
     num_q, num_kv = heads
     meta, (key_cache, value_cache) = build_step(rng, BATCHES[batch], block_size, num_kv, head_dim)
@@ -275,9 +279,41 @@ def test_attention(batch, block_size, heads, head_dim, split, monkeypatch):
 
 def test_decode_length_buckets():
     lengths = np.array([10, 11, 12, 1000, 1001])
-    assert pd_ops._length_buckets(lengths) == [slice(0, 3), slice(3, 5)]
-    assert pd_ops._length_buckets(np.array([5, 6, 7])) == [slice(0, 3)]
-    assert pd_ops._length_buckets(np.array([300])) == [slice(0, 1)]
+    assert host_plan.length_buckets(lengths) == [slice(0, 3), slice(3, 5)]
+    assert host_plan.length_buckets(np.array([5, 6, 7])) == [slice(0, 3)]
+    assert host_plan.length_buckets(np.array([300])) == [slice(0, 1)]
+
+
+def no_new_tokens(context_lens: list[int], block_size: int = 4) -> AttentionMetadata:
+    """A step in which no sequence has a new token (none at all when ``context_lens`` is empty)."""
+    blocks = max([-(-c // block_size) for c in context_lens], default=1)
+    tables = np.arange(len(context_lens) * blocks, dtype=np.int64).reshape(-1, blocks)
+    return AttentionMetadata(
+        query_start_loc=np.zeros(len(context_lens) + 1, dtype=np.int64),
+        seq_lens=np.array(context_lens, dtype=np.int64),
+        context_lens=np.array(context_lens, dtype=np.int64),
+        block_tables=tables,
+        slot_mapping=np.zeros(0, dtype=np.int64),
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("context_lens", [[3, 9], []], ids=["idle", "no-sequences"])
+def test_attention_on_a_step_without_new_tokens(context_lens):
+    """Nothing to attend: an empty ``[0, Hq, D]`` result in q's dtype, the cache untouched."""
+    rng = np.random.default_rng(15)
+    meta = no_new_tokens(context_lens)
+    cache = (randn(rng, 16, 2, 8), randn(rng, 16, 2, 8))
+    q, k, v = (np.zeros((0, h, 8), np.float32) for h in (4, 2, 2))
+    pd_cache = (pd(cache[0]), pd(cache[1]))
+    expected = spec.attention(q, k, v, (cache[0].copy(), cache[1].copy()), meta, 0.5)
+    assert expected.shape == (0, 4, 8)
+    for dtype in ("float32", "float16"):
+        actual = REFERENCE_OPS["attention"](pd(q).astype(dtype), pd(k), pd(v), pd_cache, meta, 0.5)
+        assert actual.shape == [0, 4, 8] and actual.dtype == getattr(paddle, dtype)
+        close("attention", actual.astype("float32"), expected)
+    np.testing.assert_array_equal(pd_cache[0].numpy(), cache[0])
+    np.testing.assert_array_equal(pd_cache[1].numpy(), cache[1])
 
 
 def test_attention_reuses_step_metadata_across_layers():
@@ -437,6 +473,31 @@ def test_moe_quantized_experts():
     close("moe", actual, expected)
 
 
+def test_moe_router_ties_go_to_the_lower_expert():
+    """Experts tied on score (+ correction bias) go to the lower expert id, as the spec says."""
+    rng = np.random.default_rng(16)
+    x, router = randn(rng, 3, 8), np.zeros((16, 8), np.float32)
+    # A zero router scores every expert alike: the lowest ids win, best first.
+    ids, weights = pd_ops.route(pd(x), pd(router), 4)
+    np.testing.assert_array_equal(ids.numpy(), [[0, 1, 2, 3]] * 3)
+    np.testing.assert_array_equal(ids.numpy(), spec.route(x, router, 4)[0])
+    close("moe", weights, np.full((3, 4), 0.25, np.float32))
+    # Tied through the correction bias: 9 and 5 above the rest, then 12 above the others.
+    bias = np.zeros(16, np.float32)
+    bias[[9, 5, 12]] = [1.0, 1.0, 0.5]
+    ids, _ = pd_ops.route(pd(x), pd(router), 3, "sigmoid", True, pd(bias))
+    np.testing.assert_array_equal(ids.numpy(), [[5, 9, 12]] * 3)
+    np.testing.assert_array_equal(ids.numpy(), spec.route(x, router, 3, "sigmoid", True, bias)[0])
+    # And the op itself runs the experts the spec's router chose.
+    gate_up, down = make_experts(rng, 16, 8, 6)
+    for top_k, b in [(4, None), (3, bias)]:
+        actual = REFERENCE_OPS["moe"](
+            pd(x), pd(router), [pd(w) for w in gate_up], [pd(w) for w in down], top_k,
+            "sigmoid", True, None if b is None else pd(b),
+        )
+        close("moe", actual, spec.moe(x, router, gate_up, down, top_k, "sigmoid", True, b))
+
+
 def test_moe_spec_from_first_principles():
     rng = np.random.default_rng(7)
     hidden, inter, num_experts = 16, 8, 4
@@ -579,6 +640,33 @@ def test_sample_rank_ties_share_the_worse_rank():
         assert out.token_ids[0] == 1
         assert out.ranks[0] == 2
         np.testing.assert_array_equal(out.top_ids, [[1, 2]])
+
+
+def test_sample_top_ids_ties_go_to_the_lower_id():
+    """Tied logits in the top logprobs, inside them and at their edge, go to the lower id."""
+    logits = np.array(
+        [[2.0, 2.0, 2.0, 2.0], [0.0, 5.0, 1.0, 1.0], [1.0, 3.0, 3.0, 0.0], [4.0, 1.0, 3.0, 2.0]],
+        dtype=np.float32,
+    )
+    for temperature in (0.0, 1.0):
+        batch = make_batch(4, temperature=[temperature] * 4, num_logprobs=2)
+        expected, actual = both(logits, batch)
+        np.testing.assert_array_equal(expected.top_ids, [[0, 1], [1, 2], [1, 2], [0, 2]])
+        assert_same_output(expected, actual)
+    # Over a large vocabulary: a flat row, and one whose runner-up ties with every other token.
+    flat = np.zeros((2, 5000), np.float32)
+    flat[1, 4999] = 1.0
+    expected, actual = both(flat, make_batch(2, temperature=[0.0, 0.0], num_logprobs=3))
+    np.testing.assert_array_equal(expected.top_ids, [[0, 1, 2], [4999, 0, 1]])
+    assert_same_output(expected, actual)
+
+
+def test_top_k_ties_unresolved():
+    """A topk answer stands unless a tie touches it: inside it, or at its edge."""
+    unresolved = host_plan.top_k_ties_unresolved
+    assert not unresolved(np.array([[3.0, 2.0], [5.0, 1.0]]), np.array([2, 2]))
+    assert unresolved(np.array([[3.0, 2.0], [5.0, 5.0]]), np.array([2, 2]))  # inside
+    assert unresolved(np.array([[3.0, 2.0], [5.0, 1.0]]), np.array([2, 3]))  # at the edge
 
 
 def test_seeded_rows_are_reproducible_and_independent_of_the_batch():

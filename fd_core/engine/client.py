@@ -32,8 +32,17 @@ from fd_core import errors
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.core import CoreOutput, check_cache_salt, check_params, check_prompt
 from fd_core.engine.core_process import (
-    Abort, AddRequest, ClientMessage, CoreMessage, Failed, Ready, Shutdown, Stats, StepOutputs,
-    params_to_wire, run_core,
+    Abort,
+    AddRequest,
+    ClientMessage,
+    CoreMessage,
+    Failed,
+    Ready,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    params_to_wire,
+    run_core,
 )
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput

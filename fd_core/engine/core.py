@@ -8,6 +8,7 @@ ModelRunner.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -16,13 +17,16 @@ import numpy as np
 
 from fd_core.engine.block_pool import BlockPool
 from fd_core.engine.config import EngineConfig, GiB
-from fd_core.engine.model_runner import ModelRunner, StepResult
+from fd_core.engine.executor import Executor, Workers, rendezvous_address
+from fd_core.engine.loading import load_runner
+from fd_core.engine.model_runner import StepResult
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import Scheduler
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
 from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from fd_core.interfaces import Platform
+from fd_core.models import TensorParallel
 
 log = logging.getLogger("fd.engine")
 
@@ -85,7 +89,6 @@ def check_cache_salt(salt: object) -> None:
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.loader import load_checkpoint, resolve_model
-        from fd_core.models import build_model
         from fd_core.plugins import get_registry
 
         config.validate()
@@ -106,17 +109,26 @@ class EngineCore:
         self.max_model_len = config.max_model_len or model_len
         config.resolve_budget(self.max_model_len, getattr(self.platform, "default_max_num_batched_tokens", None))
 
-        self.memory = self.platform.memory(0)
-        self.ops = registry.op_table(
-            self.platform,
-            context={"dtype": config.dtype, "head_dim": self.model_config.head_dim, "quantization": None},
-            pins=config.op_pins,
-        )
-        model = build_model(self.model_config, self.ops, self.memory, self.max_model_len, config.dtype)
-        model.load_weights(checkpoint.weights())
+        config.max_model_len = self.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.runner = ModelRunner(model, self.ops, self.memory, config.block_size, self.eos_token_ids,
-                                  self.platform.runner_hooks())
+
+        world = config.tensor_parallel_size
+        self.tp = TensorParallel(0, world)
+        self.tp.check(self.model_config)  # before any process starts
+        if world == 1:
+            runner = load_runner(config, self.platform, registry, checkpoint=checkpoint)
+            self.executor = Executor(config.block_size, self.eos_token_ids, runner=runner)
+            self.memory, self.ops = runner.memory, runner.ops
+        else:
+            workers = Workers(dataclasses.replace(config, device=self.platform.name), world,
+                              rendezvous_address(world))
+            try:
+                workers.wait(timeout=900)  # every rank has loaded its shard
+            except BaseException:
+                workers.close()
+                raise
+            self.executor = Executor(config.block_size, self.eos_token_ids, workers=workers)
+            self.memory, self.ops = self.platform.memory(0), None  # the ranks hold the model
 
         num_blocks = self._num_kv_blocks()
         if (num_blocks - 1) * config.block_size < self.max_model_len:
@@ -125,14 +137,14 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; give it more memory (kv_cache_memory_gb / "
                 f"num_kv_blocks) or lower max_model_len"
             )
-        self.runner.initialize_kv_cache(num_blocks, config.dtype)
+        self.executor.initialize_kv_cache(num_blocks, config.dtype)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         swap = None
         if config.swap_space:
             num_host_blocks = int(config.swap_space * GiB // self._kv_block_bytes())
             if num_host_blocks < 1:
                 raise ConfigError(f"--swap-space {config.swap_space} GiB holds less than one KV-cache block")
-            self.runner.initialize_swap_space(num_host_blocks, config.dtype)
+            self.executor.initialize_swap_space(num_host_blocks, config.dtype)
             swap = SwapSpace(num_host_blocks)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, swap)
@@ -146,9 +158,11 @@ class EngineCore:
                       "preemptions": 0}
 
     def _kv_block_bytes(self) -> int:
+        """Bytes of one block on one rank (a tensor-parallel rank holds its share of the heads)."""
         c, m = self.config, self.model_config
         dtype_bytes = 2 if c.dtype in ("bfloat16", "float16") else 4
-        return 2 * m.num_hidden_layers * c.block_size * m.num_key_value_heads * m.head_dim * dtype_bytes
+        kv_heads = m.num_key_value_heads // self.tp.world_size
+        return 2 * m.num_hidden_layers * c.block_size * kv_heads * m.head_dim * dtype_bytes
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -222,14 +236,14 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if out.swap_out:
-            self.runner.swap_out(out.swap_out)
+            self.executor.swap_out(out.swap_out)
         if out.swap_in:
-            self.runner.swap_in(out.swap_in)
+            self.executor.swap_in(out.swap_in)
         if not out.scheduled:
             if self.scheduler.has_work() and not out.preempted:
                 raise RuntimeError("the scheduler made no progress; this is a bug in fd")
             return []
-        result = self.runner.execute(out.scheduled)
+        result = self.executor.execute(out.scheduled)
         parents = [s.seq for s in out.scheduled if s.seq.forks and s.samples]
         self.stats["steps"] += 1
         self.stats["prompt_tokens_computed"] += sum(
@@ -238,7 +252,7 @@ class EngineCore:
         )
         self.scheduler.advance(out)
         for parent in parents:  # the siblings sampled from its logits: now they run on their own
-            self.runner.copy_blocks(self.scheduler.fork(parent))
+            self.executor.copy_blocks(self.scheduler.fork(parent))
         return self._apply(result)
 
     def _apply(self, result: StepResult) -> list[CoreOutput]:
@@ -273,6 +287,10 @@ class EngineCore:
             self.scheduler.finish(seq)
             if all(s.finished for s in self.seqs[seq.request_id]):
                 self.seqs.pop(seq.request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        self.executor.close()
 
     def kv_usage(self) -> float:
         return self.pool.usage()

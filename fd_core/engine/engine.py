@@ -26,7 +26,7 @@ class LLMEngine:
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
     pool = property(lambda self: self.core.pool)
     scheduler = property(lambda self: self.core.scheduler)
-    runner = property(lambda self: self.core.runner)
+    runner = property(lambda self: self.core.executor.runner)  # None with tensor parallelism
     memory = property(lambda self: self.core.memory)
     stats = property(lambda self: self.core.stats)
 

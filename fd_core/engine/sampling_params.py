@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from fd_core.errors import InvalidRequestError
 
-
 _GREEDY_BELOW = 1e-5
 
 

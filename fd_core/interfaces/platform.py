@@ -37,7 +37,12 @@ class Platform(Protocol):
 
     def memory(self, device_index: int = 0) -> Memory: ...
 
-    def communicator(self, rank: int = 0, world_size: int = 1) -> Communicator: ...
+    def communicator(self, rank: int = 0, world_size: int = 1, rendezvous: str | None = None) -> Communicator:
+        """The collectives of rank ``rank`` of ``world_size``. With ``world_size > 1`` the
+        platform first joins its runtime's process group at ``rendezvous``,
+        ``"host:port[,port...]"`` (one free port per rank; a runtime uses what it needs); every
+        rank calls this at about the same time, each in its own process."""
+        ...
 
     def runner_hooks(self) -> ModelRunnerHooks | None:
         """Optional per-chip additions to the shared model runner (e.g. graph capture)."""

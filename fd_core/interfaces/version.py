@@ -2,7 +2,8 @@
 
 API_VERSION = "1.1.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
-#      swap); Platform.default_max_num_batched_tokens (optional)
+#      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
+#      rendezvous) for tensor parallelism
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -8,6 +8,7 @@ from fd_core.errors import UnsupportedArchitectureError
 from fd_core.interfaces import Memory
 from fd_core.models.config import ModelConfig
 from fd_core.models.decoder import DecoderForCausalLM, DecoderTraits
+from fd_core.models.parallel import TensorParallel
 
 # Hugging Face class name -> how to build it. Adding a dense variant is one line here.
 ARCHITECTURES: dict[str, DecoderTraits] = {
@@ -33,8 +34,8 @@ def _traits(config: ModelConfig) -> DecoderTraits:
 
 
 def build_model(config: ModelConfig, ops: Any, memory: Memory, max_model_len: int,
-                dtype: str = "float32") -> DecoderForCausalLM:
-    return DecoderForCausalLM(config, _traits(config), ops, memory, max_model_len, dtype)
+                dtype: str = "float32", tp: TensorParallel | None = None) -> DecoderForCausalLM:
+    return DecoderForCausalLM(config, _traits(config), ops, memory, max_model_len, dtype, tp)
 
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "build_model", "weight_shapes"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "TensorParallel", "build_model", "weight_shapes"]

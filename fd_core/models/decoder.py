@@ -16,6 +16,7 @@ import numpy as np
 from fd_core.errors import CheckpointError
 from fd_core.interfaces import AttentionMetadata, Memory
 from fd_core.models.config import ModelConfig
+from fd_core.models.parallel import TensorParallel
 from fd_core.models.rope import cos_sin_table
 
 Tensor = Any
@@ -77,18 +78,23 @@ class Layer:
 
 class DecoderForCausalLM:
     """A causal LM over the paged KV cache. ``forward`` returns hidden states of every token of
-    the step; ``compute_logits`` projects only the rows that will be sampled."""
+    the step; ``compute_logits`` projects only the rows that will be sampled.
+
+    Under tensor parallelism (``tp``) each rank holds its slice of the heads, of the MLP and of
+    the vocabulary (``models/parallel.py``), and its KV cache holds only its key-value heads."""
 
     def __init__(self, config: ModelConfig, traits: DecoderTraits, ops: Any, memory: Memory,
-                 max_model_len: int, dtype: str = "float32") -> None:
+                 max_model_len: int, dtype: str = "float32", tp: TensorParallel | None = None) -> None:
         self.config = config
         self.traits = traits
         self.ops = ops
         self.memory = memory
         self.dtype = dtype
+        self.tp = tp or TensorParallel()
+        self.tp.check(config)
         c = config
-        self.num_heads = c.num_attention_heads
-        self.num_kv_heads = c.num_key_value_heads
+        self.num_heads = c.num_attention_heads // self.tp.world_size
+        self.num_kv_heads = c.num_key_value_heads // self.tp.world_size
         self.head_dim = c.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -123,24 +129,35 @@ class DecoderForCausalLM:
         self._upload(host)
 
     def _upload(self, host: dict[str, np.ndarray]) -> None:
-        up = self._to_device
+        up, tp = self._to_device, self.tp
         c = self.config
-        self.embed = up(host.pop("model.embed_tokens.weight"))
+        embed = host.pop("model.embed_tokens.weight")
+        self.embed = up(tp.vocab_part(embed, lookup_row=True))
         self.norm = up(host.pop("model.norm.weight"), norm=True)
         lm = host.pop("lm_head.weight", None)
-        self.lm_head = self.embed if (c.tie_word_embeddings or lm is None) else up(lm)
+        if lm is None and not tp.enabled:
+            self.lm_head = self.embed  # tied: one tensor
+        else:
+            self.lm_head = up(tp.vocab_part(embed if lm is None else lm, lookup_row=False))
         self.layers = []
+
+        def column(name: str, default: Any = ...) -> np.ndarray | None:
+            """This rank's output rows of a column-parallel weight or bias."""
+            array = host.pop(name) if default is ... else host.pop(name, default)
+            return None if array is None else tp.part(array, axis=0)
+
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             get = host.pop
             layer = Layer()
-            layer.qkv = up(np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            layer.qkv_bias = self._fused_bias([get(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
-            layer.o = up(get(p + "self_attn.o_proj.weight"))
+            layer.qkv = up(np.concatenate([column(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            layer.qkv_bias = self._fused_bias([column(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
+            layer.o = up(tp.part(get(p + "self_attn.o_proj.weight"), axis=1))
             layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
-            layer.gate_up = up(np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]))
-            layer.gate_up_bias = self._fused_bias([get(p + "mlp.gate_proj.bias", None), get(p + "mlp.up_proj.bias", None)])
-            layer.down = up(get(p + "mlp.down_proj.weight"))
+            layer.gate_up = up(np.concatenate([column(p + "mlp.gate_proj.weight"), column(p + "mlp.up_proj.weight")]))
+            layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
+                                                   column(p + "mlp.up_proj.bias", None)])
+            layer.down = up(tp.part(get(p + "mlp.down_proj.weight"), axis=1))
             layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
             layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
             layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
@@ -165,7 +182,7 @@ class DecoderForCausalLM:
                 meta: AttentionMetadata) -> Tensor:
         ops, eps = self.ops, self.config.rms_norm_eps
         n = input_ids.shape[0]
-        hidden = ops.embedding(self.embed, input_ids)
+        hidden = self.tp.reduce(ops.embedding(self.embed, input_ids))  # ids from local_token_ids
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             if residual is None:
@@ -176,9 +193,15 @@ class DecoderForCausalLM:
             hidden = self._attention(layer, x, positions, kv_cache, meta, n)
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
-            hidden = ops.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._row_parallel(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
+
+    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if not self.tp.enabled:
+            return self.ops.linear(x, weight, bias)
+        out = self.tp.reduce(self.ops.linear(x, weight))
+        return out if bias is None else out + bias  # once, after the ranks' partial sums
 
     def _attention(self, layer: Layer, x: Tensor, positions: Tensor, kv_cache: tuple[Tensor, Tensor],
                    meta: AttentionMetadata, n: int) -> Tensor:
@@ -192,12 +215,19 @@ class DecoderForCausalLM:
             k = ops.rms_norm(k, layer.k_norm, eps)
         q, k = ops.rotary(positions, q, k, self.cos_sin, self.traits.rope_style)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale)
-        return ops.linear(out.reshape([n, self.q_size]), layer.o, layer.o_bias)
+        return self._row_parallel(out.reshape([n, self.q_size]), layer.o, layer.o_bias)
+
+    def local_token_ids(self, ids: np.ndarray) -> np.ndarray:
+        """The step's token ids as rows of this rank's embedding (the ids themselves on one rank)."""
+        return self.tp.local_token_ids(ids, self.config.vocab_size)
 
     def compute_logits(self, hidden: Tensor, row_indices: Tensor) -> Tensor:
         """Logits ``[len(row_indices), V]`` of the selected rows, in float32."""
         rows = self.ops.embedding(hidden, row_indices)  # embedding is exactly a row gather
-        return self.ops.linear(rows, self.lm_head)
+        logits = self.ops.linear(rows, self.lm_head)
+        if not self.tp.enabled:
+            return logits
+        return self.tp.gather(logits)[:, : self.config.vocab_size]  # drop the vocabulary padding
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         yield "embed", self.embed

@@ -28,7 +28,8 @@ class CpuPlatform:
         return True, ""
 
     def device_count(self) -> int:
-        return 1
+        # a "device" is a process on this host: tensor parallelism runs one per rank (gloo)
+        return os.cpu_count() or 1
 
     def capabilities(self) -> Capabilities:
         return Capabilities(
@@ -39,9 +40,9 @@ class CpuPlatform:
             prefix_caching=True,
             chunked_prefill=True,
             kv_swap=True,
-            collective_library="none",
+            collective_library="gloo",
             pinned_host_memory=False,
-            device_count=1,
+            device_count=self.device_count(),
             memory_query=True,
         )
 
@@ -50,9 +51,11 @@ class CpuPlatform:
 
         return PaddleMemory("cpu")
 
-    def communicator(self, rank: int = 0, world_size: int = 1):
-        from fd_core.runtimes.paddle import PaddleCommunicator
+    def communicator(self, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
+        from fd_core.runtimes.paddle import PaddleCommunicator, init_process_group
 
+        if world_size > 1:
+            init_process_group(rank, world_size, rendezvous, backend="gloo")
         return PaddleCommunicator(rank=rank, world_size=world_size)
 
     def runner_hooks(self):

@@ -6,8 +6,8 @@ import warnings
 # nothing, so the warning only confuses users.
 warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning)
 
-from fd_core.runtimes.paddle.communicator import PaddleCommunicator  # noqa: E402
+from fd_core.runtimes.paddle.communicator import PaddleCommunicator, init_process_group  # noqa: E402
 from fd_core.runtimes.paddle.memory import PaddleMemory  # noqa: E402
 from fd_core.runtimes.paddle.ops import REFERENCE_OPS  # noqa: E402
 
-__all__ = ["REFERENCE_OPS", "PaddleCommunicator", "PaddleMemory"]
+__all__ = ["REFERENCE_OPS", "PaddleCommunicator", "PaddleMemory", "init_process_group"]

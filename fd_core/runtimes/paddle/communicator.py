@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import paddle
 import paddle.distributed as dist
 
 Tensor = paddle.Tensor
+
+
+def init_process_group(rank: int, world_size: int, rendezvous: str, backend: str = "gloo") -> None:
+    """Join ``paddle.distributed``'s process group as ``rank``: the environment its launcher
+    would set, then ``init_parallel_env``. ``rendezvous`` is ``host:port,port,...`` (one port
+    per rank: Paddle gives every rank an endpoint)."""
+    host, _, ports = rendezvous.rpartition(":")
+    ports_list = ports.split(",")
+    if len(ports_list) < world_size:
+        raise ValueError(f"rendezvous {rendezvous!r} needs {world_size} ports")
+    endpoints = [f"{host}:{p}" for p in ports_list[:world_size]]
+    os.environ.update(
+        PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(world_size),
+        PADDLE_TRAINER_ENDPOINTS=",".join(endpoints), PADDLE_CURRENT_ENDPOINT=endpoints[rank],
+        PADDLE_RANK_IN_NODE=str(rank), PADDLE_LOCAL_SIZE=str(world_size), PADDLE_DISTRI_BACKEND=backend,
+    )
+    dist.init_parallel_env()
 
 
 class PaddleCommunicator:

@@ -10,26 +10,16 @@ from collections.abc import Sequence
 import numpy as np
 import paddle
 
+from fd_core.runtimes.host import host_memory
 from fd_core.runtimes.paddle.ops import put_rows, take_rows
 
 Tensor = paddle.Tensor
 
 
-def _host_memory() -> tuple[int, int]:
-    """``(available, total)`` host RAM in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-
 _MALLOC_TUNED = False
 
 
-def keep_freed_host_memory() -> None:
+def keep_freedhost_memory() -> None:
     """Make glibc keep large freed blocks for reuse instead of returning them to the OS.
 
     Paddle's CPU allocator goes straight to malloc, and glibc maps blocks above its (dynamic)
@@ -61,7 +51,7 @@ class PaddleMemory:
         self.device = device
         self.place = paddle.device.device_to_place(device.replace("cuda", "gpu"))
         if tune_host_malloc and isinstance(self.place, paddle.CPUPlace):
-            keep_freed_host_memory()
+            keep_freedhost_memory()
 
     def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Tensor:
         # NumPy has no bfloat16: upload as is and let Paddle cast on the device.
@@ -151,7 +141,7 @@ class PaddleMemory:
 
     def memory_info(self) -> tuple[int, int]:
         if isinstance(self.place, paddle.CPUPlace):
-            return _host_memory()
+            return host_memory()
         if isinstance(self.place, paddle.CUDAPlace):
             index = self.place.get_device_id()
             total = paddle.device.cuda.get_device_properties(index).total_memory

@@ -3,21 +3,28 @@
 Float32 math on whatever device the tensors live on; tensors of other dtypes are cast in and
 their results cast back. Host-side work is limited to metadata (built once per step and cached
 in ``AttentionMetadata.device``) and to what the contract puts on the host: the per-row noise of
-``sample`` and MoE token grouping. ``REFERENCE_OPS`` maps op name to function; a backend uses it
-for every op it does not implement itself.
+``sample`` and MoE token grouping; it is ``fd_core.runtimes.host_plan``'s, shared with the other
+runtimes. ``REFERENCE_OPS`` maps op name to function; a backend uses it for every op it does
+not implement itself.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from fd_core.interfaces.ops import AttentionMetadata, QuantizedWeight, SampleOutput, SamplingBatch
+from fd_core.interfaces.ops import (
+    AttentionMetadata,
+    QuantizedWeight,
+    SampleOutput,
+    SamplingBatch,
+)
+from fd_core.runtimes import host_plan
+from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
 
 Tensor = paddle.Tensor
 _F32 = paddle.float32
@@ -130,156 +137,30 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 # --- attention ---------------------------------------------------------------------------------
 #
-# The cache is read by gathering rows of a ``[slots * Hk, D]`` view in (kv head, token) order, so
-# every operand reaches its matmul contiguous: on CPU, Paddle's matmul over a transposed view is
-# an order of magnitude slower than the gather that avoids it.
-
-
-# Prefill queries go in chunks of this many tokens, each over only the keys it can see: that
-# skips most of the masked upper triangle and keeps the temporaries small.
-PREFILL_CHUNK = 64
-
-
-@dataclass
-class _Chunk:
-    """Prefill query rows ``start:end`` of one sequence and the T' tokens they can see."""
-
-    start: int
-    end: int
-    rows: Tensor  # [Hk * T'] rows of the [slots * Hk, D] cache view
-    bias: Tensor  # [L', G, T'] additive causal mask, 0 or -inf
-
-
-@dataclass
-class _Decodes:
-    """Single-token queries computed together, their caches padded to the longest."""
-
-    count: int
-    length: int
-    queries: Tensor | None  # [Sd] query rows; None when they are all rows, in order
-    rows: Tensor  # [Sd * Hk * length] rows of the cache view; padding reads row 0
-    bias: Tensor | None  # [Sd, Hk, G, length] 0 / -inf; None when nothing is padded
-
-
-@dataclass
-class _AttentionPlan:
-    """Device copies of one step's metadata, shared by every layer."""
-
-    slot_mapping: Tensor
-    decodes: list[_Decodes]
-    chunks: list[_Chunk]
-    order: Tensor | None  # rows of concat(decodes, chunks) in token order; None if identity
-
-
-# A bucket of decodes costs about as much fixed work as this many padded cache tokens.
-DECODE_BUCKET_COST = 1024
-
-
-def _length_buckets(lengths: np.ndarray) -> list[slice]:
-    """Cut ascending ``lengths`` into buckets minimising padded tokens plus a per-bucket cost.
-
-    One bucket pads every decode to the longest; mixed lengths waste up to half the reads.
-    """
-    n = len(lengths)
-    best = np.zeros(n + 1)
-    start = np.zeros(n + 1, dtype=np.int64)
-    for j in range(1, n + 1):
-        # The last bucket is i..j-1, padded to lengths[j - 1].
-        cost = best[:j] + (j - np.arange(j)) * lengths[j - 1] + DECODE_BUCKET_COST
-        start[j] = int(np.argmin(cost))
-        best[j] = cost[start[j]]
-    cuts, j = [], n
-    while j > 0:
-        cuts.append(slice(int(start[j]), j))
-        j = int(start[j])
-    return cuts[::-1]
-
-
-def _cache_rows(meta: AttentionMetadata, seq: int, length: int, num_kv_heads: int) -> np.ndarray:
-    """``[Hk, length]`` rows of the cache view holding the first ``length`` tokens of ``seq``."""
-    pos = np.arange(length)
-    bs = meta.block_size
-    slots = meta.block_tables[seq][pos // bs] * bs + pos % bs
-    return slots[None, :] * num_kv_heads + np.arange(num_kv_heads)[:, None]
-
-
-def _decodes(
-    meta: AttentionMetadata, seqs: np.ndarray, num_kv_heads: int, group: int, place: paddle.Place
-) -> _Decodes:
-    lens = meta.seq_lens[seqs]
-    length = int(lens.max())
-    rows = np.zeros((len(seqs), num_kv_heads, length), dtype=np.int64)
-    for j, seq in enumerate(seqs):
-        rows[j, :, : lens[j]] = _cache_rows(meta, seq, int(lens[j]), num_kv_heads)
-    bias = None
-    if np.any(lens != length):
-        pad = np.arange(length)[None, :] >= lens[:, None]
-        mask = np.where(pad, -np.inf, 0.0).astype(np.float32)[:, None, None, :]
-        # Full shape, as for the prefill mask: Paddle broadcasts over middle axes ~10x slower.
-        bias = _upload(np.broadcast_to(mask, (len(seqs), num_kv_heads, group, length)), place)
-    queries = meta.query_start_loc[seqs]
-    in_order = np.array_equal(queries, np.arange(int(meta.query_start_loc[-1])))
-    return _Decodes(
-        count=len(seqs),
-        length=length,
-        queries=None if in_order else _upload(queries, place),
-        rows=_upload(rows.reshape(-1), place),
-        bias=bias,
-    )
-
-
-def _build_plan(
-    meta: AttentionMetadata, num_kv_heads: int, group: int, place: paddle.Place
-) -> _AttentionPlan:
-    qsl = meta.query_start_loc
-    query_lens = np.diff(qsl)
-    num_rows = int(qsl[-1])
-
-    decodes = np.flatnonzero(query_lens == 1)
-    decodes = decodes[np.argsort(meta.seq_lens[decodes], kind="stable")]
-    buckets = _length_buckets(meta.seq_lens[decodes]) if len(decodes) else []
-    decode_groups = [_decodes(meta, decodes[b], num_kv_heads, group, place) for b in buckets]
-
-    prefills = np.flatnonzero(query_lens > 1)
-    chunks = []
-    for seq in prefills:
-        context = int(meta.context_lens[seq])
-        for start in range(int(qsl[seq]), int(qsl[seq + 1]), PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, int(qsl[seq + 1]))
-            query_pos = context + np.arange(start - qsl[seq], end - qsl[seq])
-            visible = int(query_pos[-1]) + 1
-            hidden = np.arange(visible)[None, :] > query_pos[:, None]
-            # Expanded over the group: Paddle broadcasts over a middle axis ~10x slower.
-            bias = np.repeat(np.where(hidden, -np.inf, 0.0).astype(np.float32)[:, None], group, 1)
-            rows = _cache_rows(meta, seq, visible, num_kv_heads).reshape(-1)
-            chunks.append(_Chunk(start, end, _upload(rows, place), _upload(bias, place)))
-
-    # Outputs are computed decodes first, then prefills in order; `order` puts rows back.
-    produced = np.concatenate(
-        [qsl[decodes]] + [np.arange(qsl[s], qsl[s + 1]) for s in prefills]
-    ).astype(np.int64)
-    order = None
-    if not np.array_equal(produced, np.arange(num_rows)):
-        inverse = np.empty(num_rows, dtype=np.int64)
-        inverse[produced] = np.arange(num_rows)
-        order = _upload(inverse, place)
-
-    return _AttentionPlan(
-        slot_mapping=_upload(meta.slot_mapping.astype(np.int64), place),
-        decodes=decode_groups,
-        chunks=chunks,
-        order=order,
-    )
+# The plan (``fd_core.runtimes.host_plan``) is built on the host once per step; here it is
+# uploaded and run. Reading the cache through gathered rows keeps every operand contiguous: on
+# CPU, Paddle's matmul over a transposed view is an order of magnitude slower than the gather
+# that avoids it.
 
 
 def _plan(
     meta: AttentionMetadata, num_kv_heads: int, group: int, place: paddle.Place
-) -> _AttentionPlan:
-    key = f"paddle.attention/{num_kv_heads}x{group}@{place}"
-    plan = meta.device.get(key)
-    if plan is None:
-        plan = meta.device[key] = _build_plan(meta, num_kv_heads, group, place)
-    return plan
+) -> AttentionPlan[Tensor]:
+    # The masks are expanded to their full shapes ([Sd, Hk, G, T] and [L, G, T]): Paddle
+    # broadcasts over a middle axis ~10x slower.
+    def decode_bias(mask: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(
+            mask[:, None, None, :], (len(mask), num_kv_heads, group, mask.shape[-1])
+        )
+
+    return device_plan(
+        meta,
+        f"paddle.attention/{num_kv_heads}x{group}@{place}",
+        num_kv_heads,
+        lambda array: _upload(array, place),
+        decode_bias,
+        lambda mask: np.repeat(mask[:, None], group, 1),
+    )
 
 
 def _read(cache: Tensor, rows: Tensor) -> Tensor:
@@ -287,7 +168,7 @@ def _read(cache: Tensor, rows: Tensor) -> Tensor:
 
 
 def _decode_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: _Decodes, scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float
 ) -> Tensor:
     """Single-token queries at once, over their caches padded to the longest."""
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
@@ -302,7 +183,7 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: _Chunk, scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float
 ) -> Tensor:
     """A chunk of one sequence's new tokens over the tokens they can see."""
     num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
@@ -332,6 +213,8 @@ def attention(
     plan = _plan(meta, key_cache.shape[1], q.shape[1] // key_cache.shape[1], key_cache.place)
     put_rows(key_cache, plan.slot_mapping, k)
     put_rows(value_cache, plan.slot_mapping, v)
+    if plan.empty:  # no sequence of the step has a new token, so q has no rows
+        return paddle.zeros_like(q)
 
     query = _f32(q)
     pieces = [_decode_attention(query, key_cache, value_cache, d, scale) for d in plan.decodes]
@@ -363,7 +246,10 @@ def route(
     else:
         raise ValueError(f"unknown moe scoring {scoring!r}")
     choice = scores if correction_bias is None else scores + _f32(correction_bias)
-    _, ids = paddle.topk(choice, top_k, axis=-1)
+    # paddle.topk does not promise which of tied experts it returns; a stable ascending sort of
+    # the negated choice gives the contract's lower id, and over E experts it costs next to
+    # nothing.
+    ids = paddle.argsort(-choice, axis=-1, stable=True)[:, :top_k]
     weights = paddle.take_along_axis(scores, ids, axis=-1)
     if renormalize:
         weights = weights / paddle.sum(weights, axis=-1, keepdim=True)
@@ -382,21 +268,15 @@ def moe(
 ) -> Tensor:
     ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
     h = _f32(x)
-    # Group (token, slot) pairs by expert on the host, so each expert runs one matmul.
-    flat = ids.numpy().reshape(-1)
-    by_expert = np.argsort(flat, kind="stable")
-    experts, starts = np.unique(flat[by_expert], return_index=True)
-    bounds = list(starts) + [len(flat)]
+    groups = host_plan.expert_groups(ids.numpy())  # on the host: one matmul per expert
     flat_weights = weights.reshape([-1, 1])
-    outputs, rows = [], []
-    for j, e in enumerate(experts):
-        pairs = by_expert[bounds[j] : bounds[j + 1]]
+    outputs = []
+    for e, pairs in groups:
         tokens = _upload(pairs // top_k, h.place)
         hidden = linear(paddle.gather(h, tokens), _f32_weight(gate_up[e]))
         y = linear(silu_and_mul(hidden), _f32_weight(down[e]))
         outputs.append(y * paddle.gather(flat_weights, _upload(pairs, h.place)))
-        rows.append(pairs // top_k)
-    index = _upload(np.concatenate(rows), h.place)
+    index = _upload(np.concatenate([pairs // top_k for _, pairs in groups]), h.place)
     out = paddle.zeros(h.shape, dtype=_F32).index_add_(index, 0, paddle.concat(outputs))
     return _to(out, x.dtype)
 
@@ -408,18 +288,6 @@ def _f32_weight(w: Tensor | QuantizedWeight) -> Tensor | QuantizedWeight:
 # --- sample ------------------------------------------------------------------------------------
 
 
-def _flat_ids(per_row: list[np.ndarray], vocab: int) -> np.ndarray:
-    """``row * V + id`` of every token id of every row, for scattering into a flat ``[S * V]``."""
-    parts = [np.zeros(0, dtype=np.int64)]
-    for i, ids in enumerate(per_row):
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        # An id out of range would land silently in a neighbouring row.
-        if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-            raise ValueError(f"row {i} has a token id outside the vocabulary of {vocab}")
-        parts.append(ids + i * vocab)
-    return np.concatenate(parts)
-
-
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Repetition, then frequency and presence penalties (float32 ``[S, V]`` in and out).
 
@@ -427,8 +295,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """
     num_rows, vocab = logits.shape
     place = logits.place
-    ids, counts = np.unique(_flat_ids(batch.output_token_ids, vocab), return_counts=True)
-    seen = np.union1d(ids, _flat_ids(batch.prompt_token_ids, vocab))
+    where = host_plan.penalties(batch, vocab)
 
     def dense(index: np.ndarray, values: np.ndarray, fill: float) -> Tensor:
         base = paddle.full([num_rows * vocab], fill, dtype=_F32)
@@ -436,8 +303,8 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
             base = paddle.scatter(base, _upload(index, place), _upload(values, place))
         return base.reshape([num_rows, vocab])
 
-    factor = dense(seen, batch.repetition_penalty[seen // vocab].astype(np.float32), 1.0)
-    count = dense(ids, counts.astype(np.float32), 0.0)
+    factor = dense(where.seen, where.factors, 1.0)
+    count = dense(where.output, where.counts, 0.0)
     # Unseen tokens have factor 1, so both branches leave them exactly as they were.
     x = paddle.where(logits > 0, logits / factor, logits * factor)
     freq = _upload(batch.frequency_penalty.astype(np.float32)[:, None], place)
@@ -447,7 +314,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     num_rows, vocab = x.shape
-    index = np.unique(_flat_ids(batch.suppress_token_ids, vocab))
+    index = host_plan.suppressed(batch, vocab)
     if not len(index):
         return x
     values = paddle.full([len(index)], float("-inf"), dtype=_F32)
@@ -540,15 +407,15 @@ def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
     return weights
 
 
-def _noise(batch: SamplingBatch, rows: np.ndarray, vocab: int) -> np.ndarray:
-    return np.stack(
-        [
-            np.random.default_rng([int(batch.seeds[i]), int(batch.steps[i])])
-            .exponential(size=vocab)
-            .astype(np.float32)
-            for i in rows
-        ]
-    )
+def _top_logprobs(raw: Tensor, lse: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best raw logprobs of each row, best first, ties to the lower id."""
+    values, ids = paddle.topk(raw, k, axis=-1)
+    at_least_last = _row_sum((raw >= values[:, -1:]).astype(_F32))
+    if host_plan.top_k_ties_unresolved(values.numpy(), at_least_last.numpy()):
+        # A stable ascending sort of the negated logits: equal ones keep their id order.
+        ids = paddle.argsort(-raw, axis=-1, stable=True)[:, :k]
+        values = paddle.take_along_axis(raw, ids, axis=-1)
+    return ids.numpy().astype(np.int64), (values - lse).numpy()
 
 
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
@@ -567,7 +434,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         rows = np.flatnonzero(~greedy)
         sub = x if len(rows) == num_rows else paddle.gather(x, _upload(rows, x.place))
         weights = _draw_weights(sub, batch, rows)
-        noise = _upload(_noise(batch, rows, vocab), x.place)
+        noise = _upload(host_plan.noise(batch, rows, vocab), x.place)
         token_ids = np.zeros(num_rows, dtype=np.int64)
         token_ids[rows] = paddle.argmax(weights / noise, axis=-1).numpy()
         if greedy.any():
@@ -583,17 +450,15 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     # Ranked on raw logits: the order of the logprobs, with no rounding in between.
     ranks = _row_sum((raw >= chosen).astype(_F32))
     if batch.num_logprobs > 0:
-        top_values, top_ids = paddle.topk(raw, batch.num_logprobs, axis=-1)
-        top_ids_host = top_ids.numpy().astype(np.int64)
-        top_logprobs = (top_values - lse).numpy()
+        top_ids, top_logprobs = _top_logprobs(raw, lse, batch.num_logprobs)
     else:
-        top_ids_host = np.zeros((num_rows, 0), dtype=np.int64)
+        top_ids = np.zeros((num_rows, 0), dtype=np.int64)
         top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
     return SampleOutput(
         token_ids=token_ids,
         logprobs=(chosen - lse).numpy().reshape(-1),
         ranks=ranks.numpy().reshape(-1).astype(np.int64),
-        top_ids=top_ids_host,
+        top_ids=top_ids,
         top_logprobs=top_logprobs,
     )
 

@@ -1,0 +1,60 @@
+"""Small helpers shared by the kernel wrappers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} not supported (float32, float16, bfloat16)")
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, last]`` with a unit stride on the last axis (a view where possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] > 1 and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a Python int (loop bounds, ``range``) with
+    ``int(array)`` on a 1-element 1-D array, which NumPy 2.4 refuses; use ``.item()`` instead.
+    Interpreter only: compiled kernels never go through this path."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_fd_index_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._fd_index_patched = True
+
+
+if interpreting():
+    _patch_interpreter_index()

@@ -1,0 +1,626 @@
+"""Paged attention over a mixed batch of prefill chunks and decodes.
+
+Cache layout per layer: ``(key, value)``, each ``[num_blocks * block_size, Hk, D]``; slot ``s`` is
+block ``s // block_size``, offset ``s % block_size``. Sequence ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``; its first ``context_lens[i]`` tokens are in the
+cache already, new token ``j`` sits at position ``context_lens[i] + j`` and sees positions
+``0..context_lens[i] + j``; the cache position ``p`` of sequence ``i`` is slot
+``block_tables[i, p // block_size] * block_size + p % block_size``.
+
+Kernels, in launch order (all on q's stream):
+
+1. ``_kv_write_kernel``, grid ``(N, cdiv(Hk, BLOCK_H))``: copies k[n], v[n] into slot
+   ``slot_mapping[n]`` of both caches, cast to the cache's dtype (a negative slot is skipped, as
+   padding tokens are in vLLM). It must finish before (2) reads the cache: later programs of (2)
+   read new tokens that other programs' rows wrote, so it is not fused.
+
+2. ``_attention_kernel``, grid ``(items, Hk, num_splits)``. A *work item* is (sequence, first
+   new token of a query block); the host builds the item list once per step. A program takes
+   one item and one kv head, and owns a ``[BLOCK_M, D]`` tile of query rows: ``BLOCK_Q =
+   BLOCK_M // G`` consecutive tokens times the ``G = Hq // Hk`` query heads that share the kv
+   head (row ``r`` is token ``r // G``, head ``kvh * G + r % G``), so every K/V tile read from the
+   cache serves the whole GQA group. It loops over the keys the tile can see in tiles of
+   ``BLOCK_N`` positions (each position's slot gathered through ``block_tables``, so ``BLOCK_N``
+   is independent of ``block_size``), with ``tl.dot`` for ``QK^T`` and ``PV``, a float32 online
+   softmax in base 2 (scale folded with log2 e), and the causal mask ``pos <= context + token``.
+   The loop stops at the tile's last visible position, so a prefill block skips the keys after
+   it and a decode reads exactly its ``seq_len`` keys.
+
+   Items come in two classes, one launch each (either may be absent):
+     * short queries (``query_len <= BLOCK_Q`` of the small tile: decodes, speculative steps):
+       ``BLOCK_M = max(16, next_pow2(G))`` (16 is ``tl.dot``'s minimum), one item per sequence;
+     * longer prefill chunks: ``BLOCK_M = 128`` (64 with float32 operands),
+       ``cdiv(query_len, BLOCK_Q)`` items per sequence.
+   ``BLOCK_N`` is 64 (32 for wide heads in the short launch and for float32); see ``_tiles``.
+   Items are sorted by descending key count, so the longest programs start first.
+
+3. Split-K (flash-decoding): when a launch has fewer programs than the GPU has SMs and long
+   keys, ``num_splits > 1`` cuts each program's key range into ``num_splits`` BLOCK_N-aligned
+   segments, one per program along grid axis 2. Each writes its unnormalised ``(m, l, acc)``
+   to a float32 scratch, and ``_combine_kernel`` (grid ``(items, Hk)``) merges them with the
+   log-sum-exp rule and writes the output rows.
+
+Host metadata is uploaded once per step into ``meta.device`` (int32, int64 slot mapping); the
+per-(Hk, G, D) launch plans are cached there too, so the per-layer host cost is the launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2
+
+LOG2E = 1.4426950408889634
+
+# Split-K: no segment shorter than this many keys, at most this many segments.
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 32
+
+
+# --- kernels -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_write_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    num_kv_heads,
+    head_dim,
+    k_sn,
+    k_sh,
+    v_sn,
+    v_sh,
+    kc_ss,
+    kc_sh,
+    vc_ss,
+    vc_sh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
+    src = heads[:, None] * k_sh + d[None, :]
+    kx = tl.load(k_ptr + tok * k_sn + src, mask=mask, other=0.0)
+    dst = kc_ptr + slot * kc_ss + heads[:, None] * kc_sh + d[None, :]
+    tl.store(dst, kx.to(tl.float32).to(kc_ptr.dtype.element_ty), mask=mask)
+    vx = tl.load(v_ptr + tok * v_sn + heads[:, None] * v_sh + d[None, :], mask=mask, other=0.0)
+    dst = vc_ptr + slot * vc_ss + heads[:, None] * vc_sh + d[None, :]
+    tl.store(dst, vx.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    item_seq_ptr,
+    item_tok_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    ctx_lens_ptr,
+    bt_ptr,
+    qk_scale,
+    num_items,
+    num_kv_heads,
+    q_sn,
+    q_sh,
+    o_sn,
+    o_sh,
+    kc_ss,
+    kc_sh,
+    vc_ss,
+    vc_sh,
+    bt_stride,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // G
+
+    seq = tl.load(item_seq_ptr + item)
+    tok0 = tl.load(item_tok_ptr + item)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = tl.load(ctx_lens_ptr + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // G
+    head = kvh * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
+    qpos = ctx + tok
+    d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        d_ok = d < HEAD_DIM
+
+    row_off = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + row_off[:, None] * q_sn + head[:, None] * q_sh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # Keys this tile can see: up to its last token's position (inclusive).
+    kv_end = tl.minimum(ctx + tl.minimum(tok0 + BLOCK_Q, q_len), seq_len)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(kv_end, lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * bt_stride
+    kc_head = kc_ptr + kvh.to(tl.int64) * kc_sh
+    vc_head = vc_ptr + kvh.to(tl.int64) * vc_sh
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        k_ok = pos < hi
+        block = tl.load(bt_row + pos // KV_BLOCK_SIZE, mask=k_ok, other=0)
+        slot = block.to(tl.int64) * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE
+        # K^T tile [BLOCK_D, BLOCK_N], V tile [BLOCK_N, BLOCK_D]
+        kt = tl.load(
+            kc_head + slot[None, :] * kc_ss + d[:, None],
+            mask=k_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        visible = (pos[None, :] <= qpos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            vc_head + slot[:, None] * vc_ss + d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + row_off[:, None] * o_sn + head[:, None] * o_sh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        idx = ((split * num_items + item) * num_kv_heads + kvh).to(tl.int64) * BLOCK_M + r
+        tl.store(part_m_ptr + idx, m_i)
+        tl.store(part_l_ptr + idx, l_i)
+        tl.store(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
+def _combine_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    item_seq_ptr,
+    item_tok_ptr,
+    qsl_ptr,
+    num_items,
+    num_kv_heads,
+    o_sn,
+    o_sh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kvh = tl.program_id(1)
+    BLOCK_Q: tl.constexpr = BLOCK_M // G
+    seq = tl.load(item_seq_ptr + item)
+    tok0 = tl.load(item_tok_ptr + item)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    tok = tok0 + r // G
+    head = kvh * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
+
+    base = (item * num_kv_heads + kvh).to(tl.int64) * BLOCK_M + r
+    split_stride = num_items * num_kv_heads * BLOCK_M  # small: splits * items * Hk * BLOCK_M
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_m_ptr + s * split_stride + base))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        idx = s * split_stride + base
+        w = tl.exp2(tl.load(part_m_ptr + idx) - m_safe)
+        l_sum += w * tl.load(part_l_ptr + idx)
+        acc += w[:, None] * tl.load(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :])
+    l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
+    out = acc / l_sum[:, None]
+    row_off = (q_start + tok).to(tl.int64)
+    tl.store(
+        out_ptr + row_off[:, None] * o_sn + head[:, None] * o_sh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
+    )
+
+
+# --- host side ---------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTensors:
+    """Device copies of one step's metadata (int32; the slot mapping int64)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+@dataclass
+class Launch:
+    """One attention launch: its work items and tile shape."""
+
+    item_seq: torch.Tensor  # int32 [items]
+    item_tok: torch.Tensor  # int32 [items], first new token of the item's query block
+    num_items: int
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
+
+
+def _upload(array: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device)
+
+
+def step_tensors(meta, device: torch.device) -> StepTensors:
+    """The step's metadata on ``device``, uploaded on first use and kept in ``meta.device``."""
+    key = f"cuda.step@{device}"
+    found = meta.device.get(key)
+    if found is None:
+        block_tables = np.asarray(meta.block_tables)
+        if block_tables.ndim != 2 or block_tables.shape[1] == 0:
+            block_tables = np.zeros((max(meta.num_seqs, 1), 1), dtype=np.int64)
+        found = meta.device[key] = StepTensors(
+            query_start_loc=_upload(meta.query_start_loc, np.int32, device),
+            seq_lens=_upload(meta.seq_lens, np.int32, device),
+            context_lens=_upload(meta.context_lens, np.int32, device),
+            block_tables=_upload(block_tables, np.int32, device),
+            slot_mapping=_upload(meta.slot_mapping, np.int64, device),
+        )
+    return found
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: split only when asked
+
+
+def _choose_splits(programs: int, max_keys: int, num_sms: int) -> int:
+    if programs >= num_sms or max_keys < 2 * MIN_SPLIT_KEYS:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(want, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
+def _tiles(group: int, head_dim: int, wide: bool) -> tuple[dict, dict]:
+    """Tile shapes of the short-query and the prefill launch; ``wide``: 4-byte dot operands.
+
+    H100/H200 sweeps (backends/cuda/benchmarks/sweep_attention.py), bf16, causal prefill of 4096:
+    D=128: 128x64 with 4 warps beat 8 warps by 7-18% (~260-300 TFLOP/s); D=256: 128x64, 8 warps,
+    3 stages 311 TFLOP/s vs 130 for 64x32; D=64: 128x64 or 64x64, 4 warps, ~210. Decode tiles
+    run at HBM bandwidth whatever the choice. Float32 operands take smaller, shallower tiles to
+    stay inside shared memory (untimed: float32 is for tests).
+    """
+    block_d = max(16, next_pow2(head_dim))
+    small_m = max(16, next_pow2(group))
+    if wide:
+        block_n = 32 if block_d > 64 else 64
+        small = {
+            "block_m": small_m,
+            "block_n": block_n,
+            "num_warps": 4,
+            "num_stages": 2,
+        }
+        big_m = max(64, next_pow2(group))
+        big = {"block_m": big_m, "block_n": block_n, "num_warps": 4, "num_stages": 2}
+        return small, big
+    small = {
+        "block_m": small_m,
+        "block_n": 64 if block_d <= 128 else 32,
+        "num_warps": 4,
+        "num_stages": 3 if block_d <= 128 else 2,
+    }
+    big = {
+        "block_m": max(128, next_pow2(group)),
+        "block_n": 64,
+        "num_warps": 4 if block_d <= 128 else 8,
+        "num_stages": 3,
+    }
+    return small, big
+
+
+def plan_launches(
+    meta,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    device: torch.device,
+    num_splits: int | None = None,
+    wide: bool = False,
+) -> list[Launch]:
+    """The launches of one step for this (Hk, G, D), built once and kept in ``meta.device``.
+
+    ``num_splits`` forces the split-K factor of every launch (tests); None chooses it.
+    ``wide``: the dot operands are float32 (smaller tiles).
+    """
+    key = f"cuda.attention/{num_kv_heads}x{group}x{head_dim}/{num_splits}/{int(wide)}@{device}"
+    found = meta.device.get(key)
+    if found is not None:
+        return found
+    qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
+    qlens = np.diff(qsl)
+    ctx = np.asarray(meta.context_lens, dtype=np.int64)
+    seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+    small, big = _tiles(group, head_dim, wide)
+    small_q = small["block_m"] // group
+    num_sms = _num_sms(device)
+    launches = []
+    for tile, seqs in (
+        (small, np.flatnonzero((qlens >= 1) & (qlens <= small_q))),
+        (big, np.flatnonzero(qlens > small_q)),
+    ):
+        if len(seqs) == 0:
+            continue
+        block_q = tile["block_m"] // group
+        blocks = (qlens[seqs] + block_q - 1) // block_q
+        item_seq = np.repeat(seqs, blocks)
+        first = np.repeat(np.cumsum(blocks) - blocks, blocks)
+        item_tok = (np.arange(len(item_seq)) - first) * block_q
+        keys = np.minimum(ctx[item_seq] + np.minimum(item_tok + block_q, qlens[item_seq]),
+                          seq_lens[item_seq])  # fmt: skip
+        order = np.argsort(-keys, kind="stable")
+        item_seq, item_tok, keys = item_seq[order], item_tok[order], keys[order]
+        splits = num_splits or _choose_splits(
+            len(item_seq) * num_kv_heads, int(keys.max()), num_sms
+        )
+        launches.append(
+            Launch(
+                item_seq=_upload(item_seq, np.int32, device),
+                item_tok=_upload(item_tok, np.int32, device),
+                num_items=len(item_seq),
+                num_splits=int(splits),
+                **tile,
+            )
+        )
+    meta.device[key] = launches
+    return launches
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``key_cache[slot_mapping[n]] = k[n]`` (and v), cast to the cache dtype; slot < 0 skips."""
+    tokens, num_kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    block_d = next_pow2(head_dim)
+    block_h = max(1, min(next_pow2(num_kv_heads), max(1, 4096 // block_d)))
+    grid = (tokens, triton.cdiv(num_kv_heads, block_h))
+    _kv_write_kernel[grid](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 2,
+    )
+
+
+def _check(q, k, v, key_cache, value_cache) -> None:
+    for name, t in (
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
+        check_float(f"attention {name}", t)
+        if t.dim() != 3:
+            raise ValueError(f"attention: {name} must be 3-D, got {tuple(t.shape)}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"attention: {name} needs a contiguous last axis")
+    head_dim = q.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"attention: Hq={q.shape[1]} not a multiple of Hk={num_kv_heads}")
+    for name, t in (
+        ("k", k),
+        ("v", v),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
+        if t.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"attention: {name} shape {tuple(t.shape)} vs [*, {num_kv_heads}, {head_dim}]"
+            )
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError("attention: q, k, v need the same number of tokens")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError("attention: key and value caches differ in dtype")
+    if head_dim > 256:
+        raise ValueError(f"attention: head_dim {head_dim} > 256 not supported")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The contract's ``attention``: writes k/v into the cache, returns ``[N, Hq, D]`` in q's dtype.
+
+    ``num_splits`` forces the split-K factor (for tests); None lets the planner choose.
+    """
+    key_cache, value_cache = kv_cache
+    _check(q, k, v, key_cache, value_cache)
+    tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    device = q.device
+    out = torch.empty((tokens, num_q_heads, head_dim), dtype=q.dtype, device=device)
+    if tokens == 0:
+        return out
+    st = step_tensors(meta, device)
+    write_kv_cache(k, v, key_cache, value_cache, st.slot_mapping)
+
+    # Float32 dot operands when q is float32 or q and the cache differ in dtype ("wide": smaller
+    # tiles). The interpreter also needs them for bfloat16: it runs tl.dot on the raw 16-bit
+    # patterns (the tiles stay those a GPU would use).
+    wide = q.dtype == torch.float32 or q.dtype != key_cache.dtype
+    dot_f32 = wide or (interpreting() and torch.bfloat16 in (q.dtype, key_cache.dtype))
+    precision = "ieee" if dot_f32 else "tf32"  # tf32 is ignored for 16-bit operands
+    block_d = max(16, next_pow2(head_dim))
+    qk_scale = float(scale) * LOG2E
+    launches = plan_launches(meta, num_kv_heads, group, head_dim, device, num_splits, wide)
+    for launch in launches:
+        splits = launch.num_splits
+        if splits > 1:
+            if launch.scratch is None:
+                rows = splits * launch.num_items * num_kv_heads * launch.block_m
+                launch.scratch = (
+                    torch.empty(rows, dtype=torch.float32, device=device),
+                    torch.empty(rows, dtype=torch.float32, device=device),
+                    torch.empty(rows * block_d, dtype=torch.float32, device=device),
+                )
+            part_m, part_l, part_acc = launch.scratch
+        else:
+            part_m = part_l = part_acc = out  # unused
+        grid = (launch.num_items, num_kv_heads, splits)
+        _attention_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            launch.item_seq,
+            launch.item_tok,
+            st.query_start_loc,
+            st.seq_lens,
+            st.context_lens,
+            st.block_tables,
+            qk_scale,
+            launch.num_items,
+            num_kv_heads,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            st.block_tables.stride(0),
+            G=group,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n,
+            KV_BLOCK_SIZE=int(meta.block_size),
+            NUM_SPLITS=splits,
+            DOT_F32=dot_f32,
+            PRECISION=precision,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+        )
+        if splits > 1:
+            _combine_kernel[(launch.num_items, num_kv_heads)](
+                part_m,
+                part_l,
+                part_acc,
+                out,
+                launch.item_seq,
+                launch.item_tok,
+                st.query_start_loc,
+                launch.num_items,
+                num_kv_heads,
+                out.stride(0),
+                out.stride(1),
+                G=group,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=launch.block_m,
+                NUM_SPLITS=splits,
+                num_warps=4,
+            )
+    return out
+
+
+__all__ = ["paged_attention", "plan_launches", "step_tensors", "write_kv_cache"]

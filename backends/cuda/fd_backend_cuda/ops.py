@@ -1,0 +1,97 @@
+"""The CUDA backend's ops, under the exact signatures of ``fd_core.interfaces.ops.OP_SPECS``.
+
+Each function is a thin wrapper over a Triton kernel in ``fd_backend_cuda.kernels``; the
+semantics (and the tests) are those of ``fd_core.testing.spec``. What each kernel accepts is
+listed in ``SUPPORTED`` and checked by ``supports``; a backend sends anything refused there, and
+every op not listed in ``OPS``, to the reference implementation.
+
+* Results are new tensors; the inputs are not modified, except the KV cache, which ``attention``
+  writes in place as the contract says.
+* ``rms_norm``/``rotary``/``silu_and_mul``: float32, float16, bfloat16; math in float32; any
+  hidden size / head size (last axis contiguous, leading axes may be strided).
+* ``attention``: q, k, v and the cache in float32, float16 or bfloat16 (the cache may differ from
+  q: math is then float32); head_dim up to 256 (a power of two is the fast path; others are
+  padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
+  step into ``meta.device``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from fd_core.interfaces.ops import AttentionMetadata
+
+from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
+from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
+from fd_backend_cuda.kernels.rms_norm import rms_norm as _rms_norm
+from fd_backend_cuda.kernels.rotary import rotary as _rotary
+
+Tensor = torch.Tensor
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+MAX_HEAD_DIM = 256
+
+# What each kernel accepts, in words and as data for ``supports``.
+SUPPORTED: dict[str, dict] = {
+    "rms_norm": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "any H; rows in registers up to 8192, looped above",
+    },
+    "rotary": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "neox | interleaved; any even R <= D; returns new q, k",
+    },
+    "silu_and_mul": {"dtypes": FLOAT_DTYPES, "note": "any even last dim"},
+    "attention": {
+        "dtypes": FLOAT_DTYPES,
+        "max_head_dim": MAX_HEAD_DIM,
+        "note": "head_dim <= 256 (power of two: no padding); any block_size; Hq % Hk == 0",
+    },
+}
+
+
+def supports(op: str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> bool:
+    """Whether this backend's kernel for ``op`` takes inputs of ``dtype`` (and ``head_dim``)."""
+    info = SUPPORTED.get(op)
+    if info is None:
+        return False
+    if dtype is not None and dtype not in info["dtypes"]:
+        return False
+    limit = info.get("max_head_dim")
+    return head_dim is None or limit is None or 0 < head_dim <= limit
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    return _rms_norm(x, weight, eps, residual)
+
+
+def rotary(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor, style: str
+) -> tuple[Tensor, Tensor]:
+    return _rotary(positions, q, k, cos_sin, style)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return _silu_and_mul(x)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: tuple[Tensor, Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    return _paged_attention(q, k, v, kv_cache, meta, scale)
+
+
+OPS: dict[str, Callable] = {
+    "rms_norm": rms_norm,
+    "rotary": rotary,
+    "silu_and_mul": silu_and_mul,
+    "attention": attention,
+}

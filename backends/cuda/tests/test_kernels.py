@@ -1,0 +1,406 @@
+"""The CUDA backend's Triton kernels against the executable specification (``fd_core.testing.spec``).
+
+Without a CUDA device the kernels run on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set here before Triton is imported), so shapes are kept small. With a
+device the same tests run natively. Float32 is held to ``spec.TOLERANCES``; float16 and bfloat16
+are compared with the specification run in float32 on the same (rounded) inputs, to the looser
+tolerances below.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any @triton.jit) is imported
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
+
+from fd_core.interfaces.ops import AttentionMetadata
+from fd_core.testing import spec
+
+from fd_backend_cuda import ops
+from fd_backend_cuda.kernels.attention import (
+    _choose_splits,
+    paged_attention,
+    plan_launches,
+    write_kv_cache,
+)
+from fd_backend_cuda.kernels.rms_norm import rms_norm as rms_norm_kernel
+from fd_backend_cuda.kernels.rotary import rotary as rotary_kernel
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# Float32 uses spec.TOLERANCES[op]. 16-bit results are rounded once more at the end (and
+# attention rounds its probabilities to the operand dtype before P @ V on a GPU).
+LOOSE = {
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+}
+LOOSE_ATTENTION = {
+    torch.float16: {"rtol": 5e-3, "atol": 5e-3},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+def tol(op: str, dtype: torch.dtype, table: dict = LOOSE) -> dict:
+    return spec.TOLERANCES[op] if dtype == torch.float32 else table[dtype]
+
+
+def rand(shape, dtype, seed, scale=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    """Float32 (for floating tensors) NumPy copy: exact for every dtype here."""
+    t = t.detach().cpu()
+    return t.float().numpy() if t.is_floating_point() else t.numpy()
+
+
+def close(actual: torch.Tensor, expected: np.ndarray, tolerance: dict) -> None:
+    np.testing.assert_allclose(host(actual), expected.astype(np.float32), **tolerance)
+
+
+# --- rms_norm ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 128, 80])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    x = rand((2, 3, hidden), dtype, 1, scale=3.0)
+    w = rand((hidden,), dtype, 2)
+    res = rand((2, 3, hidden), dtype, 3) if with_residual else None
+    x_before = x.clone()
+    got = ops.rms_norm(x, w, 1e-6, res)
+    want = spec.rms_norm(host(x), host(w), 1e-6, None if res is None else host(res))
+    if with_residual:
+        assert isinstance(got, tuple) and got[0].dtype == dtype and got[1].dtype == dtype
+        close(got[0], want[0], tol("rms_norm", dtype))
+        close(got[1], want[1], tol("rms_norm", dtype))
+    else:
+        assert got.dtype == dtype and got.shape == x.shape
+        close(got, want, tol("rms_norm", dtype))
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_chunked_rows(with_residual):
+    """Rows wider than the register block take the two-pass loop; same results."""
+    x = rand((5, 200), torch.float32, 4)
+    w = rand((200,), torch.float32, 5)
+    res = rand((5, 200), torch.float32, 6) if with_residual else None
+    got = rms_norm_kernel(x, w, 1e-5, res, max_block=64)
+    want = spec.rms_norm(host(x), host(w), 1e-5, None if res is None else host(res))
+    if with_residual:
+        close(got[0], want[0], tol("rms_norm", torch.float32))
+        close(got[1], want[1], tol("rms_norm", torch.float32))
+    else:
+        close(got, want, tol("rms_norm", torch.float32))
+
+
+def test_rms_norm_strided_rows():
+    base = rand((4, 96), torch.float32, 7)
+    x = base[:, :64]  # row stride 96
+    w = rand((64,), torch.float32, 8)
+    close(
+        ops.rms_norm(x, w, 1e-6),
+        spec.rms_norm(host(x), host(w), 1e-6),
+        tol("rms_norm", torch.float32),
+    )
+
+
+# --- rotary ------------------------------------------------------------------------------------
+
+
+def cos_sin_table(positions: int, rot: int, base: float = 10000.0) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    angles = np.arange(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    return torch.from_numpy(table).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize(
+    "heads,head_dim,rot", [((4, 2), 32, 32), ((2, 2), 64, 32), ((4, 1), 48, 20)]
+)
+def test_rotary(dtype, style, heads, head_dim, rot):
+    n = 7
+    positions = torch.tensor([0, 3, 63, 17, 5, 5, 40], dtype=torch.int64, device=DEVICE)
+    q = rand((n, heads[0], head_dim), dtype, 10, scale=2.0)
+    k = rand((n, heads[1], head_dim), dtype, 11, scale=2.0)
+    cs = cos_sin_table(64, rot)
+    q_before, k_before = q.clone(), k.clone()
+    got_q, got_k = ops.rotary(positions, q, k, cs, style)
+    want_q, want_k = spec.rotary(host(positions), host(q), host(k), host(cs), style)
+    assert got_q.dtype == dtype and got_k.dtype == dtype
+    close(got_q, want_q, tol("rotary", dtype))
+    close(got_k, want_k, tol("rotary", dtype))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # new tensors, inputs intact
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rotary_strided_views_and_inplace(style):
+    """q and k as slices of a fused qkv output; the in-place variant rotates them there."""
+    n, hq, hk, d, rot = 5, 4, 2, 32, 16
+    qkv = rand((n, (hq + 2 * hk) * d), torch.float32, 12)
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(n, hk, d)
+    positions = torch.tensor([1, 2, 9, 30, 31], dtype=torch.int64, device=DEVICE)
+    cs = cos_sin_table(32, rot)
+    want_q, want_k = spec.rotary(host(positions), host(q), host(k), host(cs), style)
+    got_q, got_k = ops.rotary(positions, q, k, cs, style)
+    close(got_q, want_q, tol("rotary", torch.float32))
+    close(got_k, want_k, tol("rotary", torch.float32))
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    rq, rk = rotary_kernel(positions, q, k, cs, style, inplace=True)
+    assert rq.data_ptr() == q.data_ptr() and rk.data_ptr() == k.data_ptr()
+    close(q, want_q, tol("rotary", torch.float32))
+    close(k, want_k, tol("rotary", torch.float32))
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before)
+
+
+def test_rotary_rejects_unknown_style():
+    q = rand((1, 1, 8), torch.float32, 0)
+    with pytest.raises(ValueError):
+        ops.rotary(
+            torch.zeros(1, dtype=torch.int64, device=DEVICE),
+            q,
+            q,
+            cos_sin_table(4, 8),
+            "bogus",
+        )
+
+
+# --- silu_and_mul ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(5, 128), (3, 80), (2, 3, 64)])
+def test_silu_and_mul(dtype, shape):
+    x = rand(shape, dtype, 20, scale=4.0)
+    got = ops.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (*shape[:-1], shape[-1] // 2)
+    close(got, spec.silu_and_mul(host(x)), tol("silu_and_mul", dtype))
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+# Batches of (context_len, query_len) per sequence.
+SCENARIOS = {
+    # several decodes of various context lengths (one a 1-token prompt), a prefill chunk over a
+    # cached context, a fresh prefill
+    "mixed": [(6, 1), (0, 19), (21, 1), (11, 6), (45, 1), (1, 1), (0, 1)],
+    # decodes only; the longest spans three key tiles
+    "decodes": [(3, 1), (30, 1), (0, 1), (17, 1), (130, 1)],
+    # prefill chunks only: fresh, over a cached context, short; one sequence with no new tokens
+    "prefill": [(0, 40), (20, 5), (9, 0), (3, 17)],
+    # many blocks through a shuffled block table; a prefill over several query tiles
+    "long": [(57, 3), (70, 1), (5, 150)],
+}
+
+
+def make_batch(seqs, block_size, num_blocks, seed):
+    """Metadata with block tables drawn from a shuffled pool, padded with 0."""
+    rng = np.random.default_rng(seed)
+    pool = list(rng.permutation(num_blocks))
+    blocks_per_seq = [-(-(c + q) // block_size) for c, q in seqs]
+    width = max(blocks_per_seq)
+    tables = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = [pool.pop() for _ in range(nb)]
+    qlens = np.array([q for _, q in seqs], dtype=np.int64)
+    ctx = np.array([c for c, _ in seqs], dtype=np.int64)
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int64)
+    slots = []
+    for i, (c, q) in enumerate(seqs):
+        pos = np.arange(c, c + q)
+        slots.append(tables[i][pos // block_size] * block_size + pos % block_size)
+    return AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=ctx + qlens,
+        context_lens=ctx,
+        block_tables=tables,
+        slot_mapping=np.concatenate(slots).astype(np.int64),
+        block_size=block_size,
+    )
+
+
+def run_attention(
+    seqs, heads, head_dim, block_size, dtype, cache_dtype=None, seed=0, num_splits=None
+):
+    cache_dtype = cache_dtype or dtype
+    hq, hk = heads
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 3  # a few never touched
+    meta = make_batch(seqs, block_size, num_blocks, seed)
+    n = int(meta.query_start_loc[-1])
+    q = rand((n, hq, head_dim), dtype, seed + 1)
+    k = rand((n, hk, head_dim), dtype, seed + 2)
+    v = rand((n, hk, head_dim), dtype, seed + 3)
+    key_cache = rand((num_blocks * block_size, hk, head_dim), cache_dtype, seed + 4)
+    value_cache = rand((num_blocks * block_size, hk, head_dim), cache_dtype, seed + 5)
+    scale = head_dim**-0.5
+
+    # The spec in float32 on the same (rounded) values; casting k to a float32 cache is exact
+    # only if the cache is no narrower than k, so round k, v through the cache dtype first.
+    spec_cache = (host(key_cache), host(value_cache))
+    k_in = host(k.to(cache_dtype))
+    v_in = host(v.to(cache_dtype))
+    want = spec.attention(host(q), k_in, v_in, spec_cache, meta, scale)
+
+    out = paged_attention(q, k, v, (key_cache, value_cache), meta, scale, num_splits=num_splits)
+    assert out.dtype == dtype and out.shape == q.shape
+    # K/V went to exactly their slots, cast to the cache dtype; every other slot is unchanged.
+    np.testing.assert_array_equal(host(key_cache), spec_cache[0])
+    np.testing.assert_array_equal(host(value_cache), spec_cache[1])
+    return out, want, meta
+
+
+ATTN_CASES = [
+    # (scenario, (Hq, Hk), head_dim, block_size)
+    (scenario, heads, head_dim, block_size)
+    for scenario in SCENARIOS
+    for heads in [(4, 2), (2, 2)]
+    for head_dim, block_size in [(32, 4), (64, 16)]
+]
+
+
+@pytest.mark.parametrize("scenario,heads,head_dim,block_size", ATTN_CASES)
+def test_attention_float32(scenario, heads, head_dim, block_size):
+    out, want, _ = run_attention(SCENARIOS[scenario], heads, head_dim, block_size, torch.float32)
+    close(out, want, spec.TOLERANCES["attention"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario", ["mixed", "long"])
+@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 2), 32, 4), ((2, 2), 64, 16)])
+def test_attention_half(dtype, scenario, heads, head_dim, block_size):
+    out, want, _ = run_attention(SCENARIOS[scenario], heads, head_dim, block_size, dtype, seed=3)
+    close(out, want, LOOSE_ATTENTION[dtype])
+
+
+def test_attention_query_and_cache_dtypes_differ():
+    """float16 q/k/v over a float32 cache: k, v stored as float32, math in float32."""
+    out, want, _ = run_attention(
+        SCENARIOS["mixed"],
+        (4, 2),
+        32,
+        4,
+        torch.float16,
+        cache_dtype=torch.float32,
+        seed=5,
+    )
+    close(out, want, LOOSE_ATTENTION[torch.float16])
+
+
+@pytest.mark.parametrize(
+    "scenario,num_splits,dtype",
+    [
+        ("mixed", 2, torch.float32),
+        ("long", 3, torch.float32),
+        ("decodes", 4, torch.float16),
+    ],
+)
+def test_attention_split_k(scenario, num_splits, dtype):
+    """Flash-decoding path: key ranges split across programs, merged by the combine kernel
+    (including empty segments for short sequences)."""
+    out, want, _ = run_attention(
+        SCENARIOS[scenario], (4, 2), 32, 4, dtype, seed=7, num_splits=num_splits
+    )
+    close(out, want, tol("attention", dtype, LOOSE_ATTENTION))
+
+
+def test_split_k_heuristic():
+    assert _choose_splits(programs=8, max_keys=8192, num_sms=132) == 32
+    assert _choose_splits(programs=64, max_keys=2048, num_sms=132) == 5
+    assert _choose_splits(programs=64, max_keys=400, num_sms=132) == 1  # too short to split
+    assert _choose_splits(programs=264, max_keys=8192, num_sms=132) == 1  # a full wave already
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_attention_large_head_dims(dtype, head_dim):
+    """The tiles chosen for wide heads (on a GPU: they must fit in shared memory)."""
+    out, want, _ = run_attention(SCENARIOS["mixed"], (4, 2), head_dim, 16, dtype, seed=13)
+    close(out, want, tol("attention", dtype, LOOSE_ATTENTION))
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "long"])
+def test_attention_group_of_eight_odd_head_dim_odd_block_size(scenario):
+    """G = 8 (one kv head), head_dim 48 padded to 64, block_size 3."""
+    out, want, _ = run_attention(SCENARIOS[scenario], (8, 1), 48, 3, torch.float32, seed=9)
+    close(out, want, spec.TOLERANCES["attention"])
+
+
+def test_attention_metadata_uploaded_once_per_step():
+    """Two layers share one step's metadata: uploads and plans are made by the first."""
+    seqs = SCENARIOS["mixed"]
+    meta = make_batch(seqs, 4, 40, 11)
+    n = int(meta.query_start_loc[-1])
+    outs, wants = [], []
+    for layer in range(2):
+        q = rand((n, 4, 32), torch.float32, 100 + layer)
+        k = rand((n, 2, 32), torch.float32, 200 + layer)
+        v = rand((n, 2, 32), torch.float32, 300 + layer)
+        kc = rand((160, 2, 32), torch.float32, 400 + layer)
+        vc = rand((160, 2, 32), torch.float32, 500 + layer)
+        wants.append(spec.attention(host(q), host(k), host(v), (host(kc), host(vc)), meta, 0.2))
+        if layer == 1:
+            cached = dict(meta.device)
+        outs.append(ops.attention(q, k, v, (kc, vc), meta, 0.2))
+        if layer == 1:
+            assert all(meta.device[key] is cached[key] for key in cached)
+            assert set(meta.device) == set(cached)
+    step = next(val for key, val in meta.device.items() if key.startswith("cuda.step"))
+    assert step.block_tables.dtype == torch.int32 and step.slot_mapping.dtype == torch.int64
+    assert step.block_tables.device.type == DEVICE.type
+    for out, want in zip(outs, wants, strict=True):
+        close(out, want, spec.TOLERANCES["attention"])
+
+
+def test_attention_plan_covers_every_row_once():
+    """Host planning: every query row of every sequence is in exactly one item of one launch."""
+    seqs = SCENARIOS["mixed"] + [(3, 200), (0, 2), (5, 0)]
+    meta = make_batch(seqs, 16, 64, 1)
+    for (heads, head_dim), wide in itertools.product(
+        (((4, 2), 32), ((8, 1), 128), ((2, 2), 256), ((32, 1), 64)), (False, True)
+    ):
+        group = heads[0] // heads[1]
+        covered = np.zeros(int(meta.query_start_loc[-1]), dtype=np.int64)
+        for launch in plan_launches(
+            meta, heads[1], group, head_dim, torch.device("cpu"), wide=wide
+        ):
+            block_q = launch.block_m // group
+            for seq, tok in zip(launch.item_seq.tolist(), launch.item_tok.tolist(), strict=True):
+                start, end = meta.query_start_loc[seq], meta.query_start_loc[seq + 1]
+                covered[start + tok : min(start + tok + block_q, end)] += 1
+        assert np.all(covered == 1)
+
+
+def test_write_kv_cache_skips_negative_slots():
+    k = rand((3, 2, 16), torch.float32, 1)
+    v = rand((3, 2, 16), torch.float32, 2)
+    kc = torch.zeros((8, 2, 16), device=DEVICE)
+    vc = torch.zeros((8, 2, 16), device=DEVICE)
+    write_kv_cache(k, v, kc, vc, torch.tensor([5, -1, 0], dtype=torch.int64, device=DEVICE))
+    assert torch.equal(kc[5], k[0]) and torch.equal(kc[0], k[2]) and torch.equal(vc[5], v[0])
+    assert torch.count_nonzero(kc[1:5]) == 0 and torch.count_nonzero(kc[6:]) == 0
+
+
+def test_supports():
+    assert ops.supports("attention", torch.bfloat16, 128)
+    assert not ops.supports("attention", torch.float16, 512)
+    assert not ops.supports("rms_norm", torch.int32)
+    assert not ops.supports("moe")
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention"}

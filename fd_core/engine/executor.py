@@ -1,0 +1,278 @@
+"""Running the model on every rank.
+
+With ``--tensor-parallel-size 1`` the Executor is a thin shell around one ModelRunner in the
+engine's own process. With more, every rank is a worker process (``python -m
+fd_core.engine.executor``, plain subprocesses: the engine-core process of ``fd serve`` is a
+daemon and may not fork multiprocessing children), and the engine's process joins no process
+group: it sends each call — KV-cache set-up, swaps, block copies, a step's inputs and sampling
+parameters — to all ranks, which run the same forward and meet in its collectives; rank 0
+samples and answers with the tokens. Every rank answers every call, so a failure on any rank,
+or a rank that dies (leaving the others stuck in a collective), surfaces in the engine as a
+BackendError, never as a wait without end. Several engines may live in one process.
+
+Messages are pickled tuples over ZeroMQ (local IPC, one trusted parent): the inputs are NumPy
+arrays and small dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.model_runner import (
+    ModelRunner,
+    StepResult,
+    prepare_inputs,
+    sampling_batch,
+)
+from fd_core.engine.scheduler import ScheduledSeq
+from fd_core.errors import BackendError, FdError
+
+log = logging.getLogger("fd.engine")
+
+_REPLY_POLL_MS = 100
+_START_TIMEOUT_S = 900.0
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def rendezvous_address(world_size: int) -> str:
+    """``host:port,port,...``: one free local port per rank; a runtime uses what it needs."""
+    return "127.0.0.1:" + ",".join(str(p) for p in free_ports(world_size))
+
+
+class Workers:
+    """All ranks of a tensor-parallel model as processes, seen from the engine."""
+
+    def __init__(self, config: EngineConfig, world_size: int, rendezvous: str) -> None:
+        self.world_size = world_size
+        self._dir = tempfile.mkdtemp(prefix="fd-tp-")
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PULL)
+        self._replies.bind(f"ipc://{self._dir}/replies")
+        self._senders: list[zmq.Socket] = []
+        self._procs: list[subprocess.Popen] = []
+        for rank in range(world_size):
+            sender = self._ctx.socket(zmq.PUSH)
+            sender.setsockopt(zmq.LINGER, 0)
+            address = f"ipc://{self._dir}/rank{rank}"
+            sender.bind(address)
+            self._senders.append(sender)
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fd_core.engine.executor", "--rank", str(rank), "--calls", address,
+                 "--replies", f"ipc://{self._dir}/replies", "--parent", str(os.getpid())],
+            ))
+        self._send(("init", config, world_size, rendezvous))
+        self._closing = False
+
+    def dead(self) -> tuple[int, int | None] | None:
+        """``(rank, exit code)`` of a worker that is gone, if any."""
+        for rank, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                return rank, proc.returncode
+        return None
+
+    def _send(self, message: tuple, timeout: float = _START_TIMEOUT_S) -> None:
+        frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, sender in enumerate(self._senders):
+            # A PUSH socket with no peer (not connected yet, or gone) would block for ever:
+            # retry without blocking while the rank's process lives.
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    sender.send(frame, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    code = self._procs[rank].poll()
+                    if code is not None or time.monotonic() > deadline:
+                        why = f"exited with code {code}" if code is not None else "is not receiving"
+                        raise BackendError(f"tensor-parallel rank {rank} {why}") from None
+                    time.sleep(0.01)
+
+    def call(self, method: str, *args: Any) -> None:
+        """Start ``method(*args)`` on every worker's runner; ``wait`` collects the answers."""
+        self._send(("call", method, args))
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's answer to its last message, by rank; raises if one failed or died."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        while len(results) < self.world_size:
+            if self._replies.poll(_REPLY_POLL_MS):
+                rank, ok, detail = pickle.loads(self._replies.recv())
+                if not ok:
+                    gone = self.dead()  # a rank that died makes the others' collectives fail:
+                    if gone:            # report the cause, not the symptom
+                        raise BackendError(f"tensor-parallel rank {gone[0]} exited with code {gone[1]}")
+                    raise BackendError(f"tensor-parallel rank {rank} failed: {detail}")
+                results[rank] = detail
+                continue
+            gone = self.dead()
+            if gone:
+                raise BackendError(f"tensor-parallel rank {gone[0]} exited with code {gone[1]}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise BackendError(f"tensor-parallel workers did not answer within {timeout:g} s")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._send(("stop",), timeout=1.0)
+        except (zmq.ZMQError, BackendError):
+            pass
+        stuck = self.dead() is not None  # the others may wait in a collective forever
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=1 if stuck else 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sender in self._senders:
+            sender.close()
+        self._replies.close(linger=0)
+        self._ctx.term()
+
+
+class Executor:
+    """The engine's handle on the model across ranks: a local runner, or worker processes."""
+
+    def __init__(self, block_size: int, eos_token_ids: frozenset[int], runner: ModelRunner | None = None,
+                 workers: Workers | None = None) -> None:
+        assert (runner is None) != (workers is None)
+        self.block_size = block_size
+        self.eos_token_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
+        self.runner = runner
+        self.workers = workers
+
+    def _everywhere(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on every rank's runner; rank 0's result."""
+        if self.runner is not None:
+            return getattr(self.runner, method)(*args)
+        gone = self.workers.dead()
+        if gone:
+            raise BackendError(f"tensor-parallel rank {gone[0]} exited with code {gone[1]}")
+        self.workers.call(method, *args)
+        return self.workers.wait()[0]
+
+    def initialize_kv_cache(self, num_blocks: int, dtype: str) -> None:
+        self._everywhere("initialize_kv_cache", num_blocks, dtype)
+
+    def initialize_swap_space(self, num_blocks: int, dtype: str) -> None:
+        self._everywhere("initialize_swap_space", num_blocks, dtype)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._everywhere("swap_out", pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._everywhere("swap_in", pairs)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self._everywhere("copy_blocks", pairs)
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        inputs, sampled = prepare_inputs(scheduled, self.block_size)
+        batch = sampling_batch(sampled, self.eos_token_ids) if sampled else None
+        output = self._everywhere("step", inputs, batch)
+        return StepResult(sampled, output) if sampled else StepResult([], None)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+
+# -- the worker process --------------------------------------------------------------------------
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fd-tp-parent-watch", daemon=True).start()
+
+
+def _worker(rank: int, calls: str, replies: str) -> int:
+    from fd_core.engine.loading import load_runner
+    from fd_core.plugins import get_registry
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(calls)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(replies)
+
+    def answer(ok: bool, detail: Any = None) -> None:
+        outbox.send(pickle.dumps((rank, ok, detail), protocol=pickle.HIGHEST_PROTOCOL))
+
+    runner = None
+    try:
+        while True:
+            message = pickle.loads(inbox.recv())
+            if message[0] == "stop":
+                return 0
+            try:
+                if message[0] == "init":
+                    _, config, world_size, rendezvous = message
+                    registry = get_registry()
+                    platform = registry.platform(config.device)
+                    comm = platform.communicator(rank, world_size, rendezvous)
+                    runner = load_runner(config, platform, registry, rank, world_size, comm)
+                    result = None
+                else:
+                    _, method, args = message
+                    if method == "step" and rank != 0:
+                        args = (args[0], None)  # rank 0 samples; the others only compute
+                    result = getattr(runner, method)(*args)
+            except Exception as exc:  # reported to rank 0, which stops the engine
+                log.exception("tensor-parallel rank %d failed", rank)
+                answer(False, f"{type(exc).__name__}: {exc}" if isinstance(exc, FdError) else repr(exc))
+                return 1
+            answer(True, result)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one tensor-parallel rank of an fd engine (started by rank 0)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--calls", required=True)
+    ap.add_argument("--replies", required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    args = ap.parse_args(argv)
+    _watch_parent(args.parent)
+    return _worker(args.rank, args.calls, args.replies)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Building one rank's ModelRunner: device memory, op table, model, weights. Shared by the
+engine core (rank 0) and tensor-parallel workers, so every rank is built the same way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.model_runner import ModelRunner
+from fd_core.interfaces import Communicator, Platform
+
+
+def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
+                comm: Communicator | None = None, checkpoint: Any = None) -> ModelRunner:
+    """``config.max_model_len`` must be resolved. ``checkpoint`` is loaded from ``config.model``
+    when not given."""
+    from fd_core.loader import load_checkpoint, resolve_model
+    from fd_core.models import TensorParallel, build_model
+
+    checkpoint = checkpoint or load_checkpoint(resolve_model(config.model))
+    model_config = checkpoint.config
+    memory = platform.memory(rank % max(1, platform.device_count()))
+    ops = registry.op_table(
+        platform,
+        context={"dtype": config.dtype, "head_dim": model_config.head_dim, "quantization": None},
+        pins=config.op_pins,
+    )
+    tp = TensorParallel(rank, world_size, comm)
+    model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
+    model.load_weights(checkpoint.weights())
+    return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks())

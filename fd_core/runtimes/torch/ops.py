@@ -1,0 +1,468 @@
+"""The PyTorch reference implementation of every op in ``fd_core.interfaces.ops``.
+
+It mirrors the Paddle reference (``fd_core.runtimes.paddle.ops``) algorithm for algorithm, so a
+model gives the same logits and, for a seeded request, the same tokens on either runtime. Float32
+math on whatever device the tensors live on (CPU or CUDA; nothing here names a device): tensors
+of other dtypes are cast in and their results cast back. Host-side work is limited to metadata
+(built once per step and cached in ``AttentionMetadata.device``) and to what the contract puts on
+the host: the per-row noise of ``sample`` and MoE token grouping; it is
+``fd_core.runtimes.host_plan``'s, shared with the Paddle reference. ``REFERENCE_OPS`` maps op name
+to function; a backend uses it for every op it does not implement itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fd_core.interfaces.ops import (
+    AttentionMetadata,
+    QuantizedWeight,
+    SampleOutput,
+    SamplingBatch,
+)
+from fd_core.runtimes import host_plan
+from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
+
+Tensor = torch.Tensor
+_F32 = torch.float32
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x if x.dtype == _F32 else x.to(_F32)
+
+
+def _to(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _upload(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array on ``device``; on the CPU it may share the array's memory (callers pass
+    temporaries they never write again)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _host(x: Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy()
+
+
+def take_rows(x: Tensor, index: Tensor) -> Tensor:
+    """``x[index]`` along the first axis, for every dtype."""
+    return x.index_select(0, index)
+
+
+def put_rows(x: Tensor, index: Tensor, rows: Tensor) -> None:
+    """``x[index] = rows`` in place, for every dtype (``index`` holds no duplicates)."""
+    x.index_copy_(0, index, _to(rows, x.dtype))
+
+
+def embedding(weight: Tensor, ids: Tensor) -> Tensor:
+    return take_rows(weight, ids)
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
+    h = _f32(x)
+    if residual is not None:
+        h = h + _f32(residual)
+    y = h * torch.rsqrt(torch.mean(h * h, dim=-1, keepdim=True) + eps) * _f32(weight)
+    if residual is None:
+        return _to(y, x.dtype)
+    return _to(y, x.dtype), _to(h, x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    n, heads, dim = x.shape
+    half = cos.shape[-1]
+    rot = 2 * half
+    h = _f32(x)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, R/2]: broadcast over the heads
+    if style == "neox":
+        a, b = h[..., :half], h[..., half:rot]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    elif style == "interleaved":
+        a, b = h[..., :rot].reshape(n, heads, half, 2).unbind(-1)
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).reshape(n, heads, rot)
+    else:
+        raise ValueError(f"unknown rotary style {style!r}")
+    if rot != dim:
+        out = torch.cat([out, h[..., rot:]], dim=-1)
+    return _to(out, x.dtype)
+
+
+def rotary(
+    positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor, style: str
+) -> tuple[Tensor, Tensor]:
+    cs = _f32(take_rows(cos_sin, positions))  # [N, R]
+    half = cs.shape[-1] // 2
+    cos, sin = cs[:, :half], cs[:, half:]
+    return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = _F32) -> Tensor:
+    """The ``[out, in]`` matrix a QuantizedWeight stands for, in ``dtype``."""
+    if weight.method not in ("wint8", "wint4"):
+        raise ValueError(f"unknown quantization method {weight.method!r}")
+    q = _f32(weight.qweight)
+    scales = _f32(weight.scales)
+    out_features, in_features = q.shape
+    if weight.group_size == -1 or weight.group_size == in_features:
+        w = q * scales
+    else:
+        groups = in_features // weight.group_size
+        w = q.reshape(out_features, groups, weight.group_size) * scales.unsqueeze(-1)
+        w = w.reshape(out_features, in_features)
+    return _to(w, dtype)
+
+
+def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    # As in the Paddle reference, the matmul runs in x's dtype (cuBLAS accumulates half types in
+    # float32). F.linear wants one dtype for all three; a mismatch only costs a cast.
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantize(weight, x.dtype)
+    return F.linear(x, _to(weight, x.dtype), None if bias is None else _to(bias, x.dtype))
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    inter = x.shape[-1] // 2
+    h = _f32(x)
+    return _to(F.silu(h[..., :inter]) * h[..., inter:], x.dtype)
+
+
+# --- attention ---------------------------------------------------------------------------------
+#
+# The same plan as the Paddle reference (``fd_core.runtimes.host_plan``, built on the host once
+# per step), uploaded and run here: decodes in a few batched groups bucketed by cache length,
+# prefills in chunks over only the keys they can see, the cache read by gathering rows of a
+# ``[slots * Hk, D]`` view so that every matmul operand comes out contiguous.
+
+
+def _plan(
+    meta: AttentionMetadata, num_kv_heads: int, device: torch.device
+) -> AttentionPlan[Tensor]:
+    # The masks broadcast over the heads and the group ([Sd, 1, 1, T] and [L, 1, T]), so the
+    # group size does not shape the plan and is not keyed.
+    return device_plan(
+        meta,
+        f"torch.attention/{num_kv_heads}@{device}",
+        num_kv_heads,
+        lambda array: _upload(array, device),
+        lambda mask: mask[:, None, None, :],
+        lambda mask: mask[:, None, :],
+    )
+
+
+def _read(cache: Tensor, rows: Tensor) -> Tensor:
+    return _f32(take_rows(cache.reshape(-1, cache.shape[-1]), rows))
+
+
+def _decode_attention(
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float
+) -> Tensor:
+    """Single-token queries at once, over their caches padded to the longest."""
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    shape = (d.count, num_kv_heads, d.length, head_dim)
+    rows = q if d.queries is None else take_rows(q, d.queries)
+    query = (rows * scale).reshape(d.count, num_kv_heads, -1, head_dim)  # [Sd, Hk, G, D]
+    scores = query @ _read(key_cache, d.rows).reshape(shape).transpose(-1, -2)
+    if d.bias is not None:
+        scores = scores + d.bias
+    out = torch.softmax(scores, dim=-1) @ _read(value_cache, d.rows).reshape(shape)
+    return out.reshape(d.count, -1, head_dim)
+
+
+def _prefill_attention(
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float
+) -> Tensor:
+    """A chunk of one sequence's new tokens over the tokens they can see."""
+    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    length = p.end - p.start
+    # Query rows ordered (token, group) inside each kv head, so the mask broadcasts per token.
+    query = (q[p.start : p.end] * scale).reshape(length, num_kv_heads, -1, head_dim)
+    group = query.shape[2]
+    query = query.transpose(0, 1).reshape(num_kv_heads, length * group, head_dim)
+    keys = _read(key_cache, p.rows).reshape(num_kv_heads, -1, head_dim)  # [Hk, T, D]
+    scores = (query @ keys.transpose(-1, -2)).reshape(num_kv_heads, length, group, -1) + p.bias
+    probs = torch.softmax(scores, dim=-1).reshape(num_kv_heads, length * group, -1)
+    values = _read(value_cache, p.rows).reshape(num_kv_heads, -1, head_dim)
+    out = (probs @ values).reshape(num_kv_heads, length, group, head_dim)
+    return out.transpose(0, 1).reshape(length, -1, head_dim)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: tuple[Tensor, Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    key_cache, value_cache = kv_cache
+    plan = _plan(meta, key_cache.shape[1], key_cache.device)
+    put_rows(key_cache, plan.slot_mapping, k)
+    put_rows(value_cache, plan.slot_mapping, v)
+    if plan.empty:  # no sequence of the step has a new token, so q has no rows
+        return torch.zeros_like(q)
+
+    query = _f32(q)
+    pieces = [_decode_attention(query, key_cache, value_cache, d, scale) for d in plan.decodes]
+    for chunk in plan.chunks:
+        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    if plan.order is not None:
+        out = take_rows(out, plan.order)
+    return _to(out, q.dtype)
+
+
+# --- moe ---------------------------------------------------------------------------------------
+
+
+def route(
+    x: Tensor,
+    router_weight: Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(expert_ids [N, top_k], weights [N, top_k])`` of ``moe``'s router, best first."""
+    logits = _f32(x) @ _f32(router_weight).T
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown moe scoring {scoring!r}")
+    choice = scores if correction_bias is None else scores + _f32(correction_bias)
+    # torch.topk does not promise which of tied experts it returns; a stable descending sort
+    # gives the contract's lower id, and over E experts it costs next to nothing.
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.gather(scores, -1, ids)
+    if renormalize:
+        weights = weights / torch.sum(weights, dim=-1, keepdim=True)
+    return ids, weights
+
+
+def _f32_weight(w: Tensor | QuantizedWeight) -> Tensor | QuantizedWeight:
+    return w if isinstance(w, QuantizedWeight) else _f32(w)
+
+
+def moe(
+    x: Tensor,
+    router_weight: Tensor,
+    gate_up: list[Tensor],
+    down: list[Tensor],
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    correction_bias: Tensor | None = None,
+) -> Tensor:
+    ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
+    h = _f32(x)
+    groups = host_plan.expert_groups(_host(ids))  # on the host: one matmul per expert
+    flat_weights = weights.reshape(-1, 1)
+    outputs = []
+    for e, pairs in groups:
+        hidden = linear(take_rows(h, _upload(pairs // top_k, h.device)), _f32_weight(gate_up[e]))
+        y = linear(silu_and_mul(hidden), _f32_weight(down[e]))
+        outputs.append(y * take_rows(flat_weights, _upload(pairs, h.device)))
+    index = _upload(np.concatenate([pairs // top_k for _, pairs in groups]), h.device)
+    out = torch.zeros_like(h).index_add_(0, index, torch.cat(outputs))
+    return _to(out, x.dtype)
+
+
+# --- sample ------------------------------------------------------------------------------------
+#
+# Step for step the Paddle reference's algorithm (same order of penalties, top-k, top-p, min-p,
+# the same nucleus search and the same host-side NumPy noise), so that seeded rows draw the same
+# token on both runtimes.
+
+
+def _column(values: np.ndarray, device: torch.device) -> Tensor:
+    """A per-row host parameter as a float32 ``[S, 1]`` device column, to broadcast over V."""
+    return _upload(np.asarray(values, dtype=np.float32)[:, None], device)
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition, then frequency and presence penalties (float32 ``[S, V]`` in and out).
+
+    Only the token ids travel to the device; counts and per-token factors are scattered there.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    where = host_plan.penalties(batch, vocab)
+
+    def dense(index: np.ndarray, values: np.ndarray, fill: float) -> Tensor:
+        base = torch.full((num_rows * vocab,), fill, dtype=_F32, device=device)
+        if len(index):
+            base[_upload(index, device)] = _upload(values, device)
+        return base.reshape(num_rows, vocab)
+
+    factor = dense(where.seen, where.factors, 1.0)
+    count = dense(where.output, where.counts, 0.0)
+    # Unseen tokens have factor 1, so both branches leave them exactly as they were.
+    x = torch.where(logits > 0, logits / factor, logits * factor)
+    freq = _column(batch.frequency_penalty, device)
+    presence = _column(batch.presence_penalty, device)
+    return x - freq * count - presence * (count > 0).to(_F32)
+
+
+def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """``x`` with the suppressed ids at -inf; a new tensor (x may be the caller's logits)."""
+    num_rows, vocab = x.shape
+    index = host_plan.suppressed(batch, vocab)
+    if not len(index):
+        return x
+    out = x.reshape(-1).index_fill(0, _upload(index, x.device), float("-inf"))
+    return out.reshape(num_rows, vocab)
+
+
+def _nucleus_head(
+    probs: Tensor, top_p: Tensor, active: np.ndarray, head: Tensor | None = None
+) -> Tensor:
+    """The leading, descending part of each row of ``probs`` that holds its top-p nucleus.
+
+    A full sort over the vocabulary is slow on CPU (milliseconds a row), and the nucleus is
+    almost always among the few hundred most likely tokens: try ``head`` (the top-k survivors,
+    when given), then the top 256, widening only while some active row's head holds less than
+    its ``top_p``.
+    """
+    vocab = probs.shape[1]
+    width = 256 if head is None else head.shape[1]
+    while width < vocab:
+        if head is None:
+            head = torch.topk(probs, width, dim=-1).values
+        # The head's own running sum, as the full cumulative sum would compute it.
+        mass = torch.cumsum(head, dim=-1)[:, -1:]
+        if np.all(_host(mass >= top_p).reshape(-1) | ~active):
+            return head
+        head = None
+        width *= 8
+    return torch.sort(probs, dim=-1, descending=True).values
+
+
+def _top_k(z: Tensor, top_k: np.ndarray, limited: np.ndarray) -> tuple[Tensor, Tensor]:
+    """``z`` without the tokens below each limited row's k-th best (ties at the edge stay), and
+    the top ``max(k)`` values of the result, best first."""
+    device = z.device
+    best = torch.topk(z, int(top_k[limited].max()), dim=-1).values
+    kth = torch.gather(best, -1, _upload(np.where(limited, top_k - 1, 0)[:, None], device))
+    kth = torch.where(_upload(limited[:, None], device), kth, torch.full_like(kth, -np.inf))
+    z = torch.where(z >= kth, z, torch.full_like(z, -np.inf))
+    best = torch.where(best >= kth, best, torch.full_like(best, -np.inf))
+    return z, best
+
+
+def _top_p(
+    weights: Tensor, best: Tensor | None, top_p: Tensor, nucleus: np.ndarray, limited: np.ndarray
+) -> Tensor:
+    """The normalised distribution, zero outside each nucleus row's top-p set (widened to every
+    token tied with the last one kept); rows without top-p keep every token."""
+    total = torch.sum(weights, dim=-1, keepdim=True)
+    probs = weights / total
+    # Top-k on every top-p row: its sorted survivors are already the head to search.
+    head = torch.exp(best) / total if best is not None and limited[nucleus].all() else None
+    ordered = _nucleus_head(probs, top_p, nucleus, head)
+    # The mass ahead of each token: an exclusive running sum (``cumsum - ordered`` would round
+    # differently from the spec's).
+    running = torch.cumsum(ordered, dim=-1)
+    before = torch.cat([torch.zeros_like(ordered[:, :1]), running[:, :-1]], dim=-1)
+    keep = torch.sum(before < top_p, dim=-1, keepdim=True)
+    edge = torch.gather(ordered, -1, torch.clamp(keep, min=1) - 1)
+    # Rows without top-p get edge 0, which keeps every token.
+    edge = torch.where(_upload(nucleus[:, None], probs.device), edge, torch.zeros_like(edge))
+    return torch.where(probs >= edge, probs, torch.zeros_like(probs))
+
+
+def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
+    """For the non-greedy ``rows``: weights proportional to the filtered distribution
+    (temperature, top-k, top-p, min-p). The draw is an argmax, so they need no normalising."""
+    device = x.device
+    vocab = x.shape[1]
+    # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.
+    z = (x - torch.amax(x, dim=-1, keepdim=True)) / _column(batch.temperature[rows], device)
+
+    top_k = batch.top_k[rows]
+    limited = (top_k > 0) & (top_k < vocab)
+    best = None  # the top-k values of z, best first, masked like z
+    if limited.any():
+        z, best = _top_k(z, top_k, limited)
+    weights = torch.exp(z)
+
+    nucleus = batch.top_p[rows] < 1
+    if nucleus.any():
+        top_p = _column(batch.top_p[rows], device)
+        weights = _top_p(weights, best, top_p, nucleus, limited)
+
+    if (batch.min_p[rows] > 0).any():
+        floor = _column(batch.min_p[rows], device) * torch.amax(weights, dim=-1, keepdim=True)
+        weights = torch.where(weights >= floor, weights, torch.zeros_like(weights))
+    return weights
+
+
+def _top_logprobs(raw: Tensor, lse: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best raw logprobs of each row, best first, ties to the lower id."""
+    values, ids = torch.topk(raw, k, dim=-1)
+    at_least_last = torch.sum(raw >= values[:, -1:], dim=-1)
+    if host_plan.top_k_ties_unresolved(_host(values), _host(at_least_last)):
+        values, ids = torch.sort(raw, dim=-1, descending=True, stable=True)
+        values, ids = values[:, :k], ids[:, :k]
+    return _host(ids).astype(np.int64), _host(values - lse)
+
+
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    raw = _f32(logits)
+    num_rows, vocab = raw.shape
+    device = raw.device
+    greedy = batch.temperature == 0
+
+    x = apply_penalties(raw, batch) if batch.needs_penalties else raw
+    if any(len(t) for t in batch.suppress_token_ids):
+        x = _suppress(x, batch)
+
+    if greedy.all():  # the common fast path: no sorting, no noise
+        tokens = torch.argmax(x, dim=-1, keepdim=True)
+        token_ids = _host(tokens).reshape(-1).astype(np.int64)
+    else:
+        rows = np.flatnonzero(~greedy)
+        sub = x if len(rows) == num_rows else take_rows(x, _upload(rows, device))
+        weights = _draw_weights(sub, batch, rows)
+        noise = _upload(host_plan.noise(batch, rows, vocab), device)
+        token_ids = np.zeros(num_rows, dtype=np.int64)
+        token_ids[rows] = _host(torch.argmax(weights / noise, dim=-1))
+        if greedy.any():
+            token_ids[greedy] = _host(torch.argmax(x, dim=-1))[greedy]
+        tokens = _upload(token_ids[:, None], device)
+
+    chosen = torch.gather(raw, -1, tokens)
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    # Ranked on raw logits: the order of the logprobs, with no rounding in between.
+    ranks = torch.sum(raw >= chosen, dim=-1)
+    if batch.num_logprobs > 0:
+        top_ids, top_logprobs = _top_logprobs(raw, lse, batch.num_logprobs)
+    else:
+        top_ids = np.zeros((num_rows, 0), dtype=np.int64)
+        top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
+    return SampleOutput(
+        token_ids=token_ids,
+        logprobs=_host(chosen - lse).reshape(-1),
+        ranks=_host(ranks).astype(np.int64),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+REFERENCE_OPS: dict[str, Callable] = {
+    "embedding": embedding,
+    "rms_norm": rms_norm,
+    "rotary": rotary,
+    "linear": linear,
+    "silu_and_mul": silu_and_mul,
+    "attention": attention,
+    "moe": moe,
+    "sample": sample,
+}

@@ -1,0 +1,95 @@
+"""Tensor parallelism on the CPU: two processes over gloo give what one process gives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")  # the checkpoints are built with transformers
+
+from fd_core import LLM, SamplingParams  # noqa: E402
+from fd_core.errors import ConfigError  # noqa: E402
+from fd_core.models.parallel import TensorParallel  # noqa: E402
+from tests import checkpoints  # noqa: E402
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 400, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def generate(model_dir, params, **engine_args):
+    llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, block_size=4, **engine_args)
+    try:
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts(), params, use_tqdm=False)], llm
+    finally:
+        llm.engine.core.shutdown()
+
+
+@pytest.mark.parametrize("make", [checkpoints.make_llama, checkpoints.make_qwen3], ids=["llama", "qwen3-tied"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.5, seed=3, max_tokens=16, ignore_eos=True, n=2),
+], ids=["greedy", "seeded-n2"])
+def test_two_ranks_equal_one(tmp_path, make, params):
+    model_dir = make(tmp_path)
+    one, _ = generate(model_dir, params, num_kv_blocks=512)
+    two, llm = generate(model_dir, params, num_kv_blocks=512, tensor_parallel_size=2)
+    assert llm.engine.core.executor.workers.world_size == 2 and llm.engine.runner is None
+    assert two == one
+    # the block copies, swaps and recomputation of a tight cache run on both ranks alike
+    tight, llm = generate(model_dir, params, num_kv_blocks=4 * 16 + 1, tensor_parallel_size=2, swap_space=0.01)
+    assert llm.engine.scheduler.num_swapped_out > 0
+    assert tight == one
+
+
+def test_vocabulary_slices_cover_every_token_once():
+    vocab, hidden = 11, 3  # not a multiple of the world size: the last slice is padded
+    weight = np.arange(vocab * hidden, dtype=np.float32).reshape(vocab, hidden)
+    ids = np.arange(vocab)
+    total = np.zeros((vocab, hidden), dtype=np.float32)
+    for rank in range(3):
+        tp = TensorParallel(rank, 3)
+        part = tp.vocab_part(weight, lookup_row=True)
+        assert part.shape == (4 + 1, hidden) and not part[-1].any()
+        total += part[tp.local_token_ids(ids.copy(), vocab)]  # what the embedding's all-reduce sums
+    np.testing.assert_array_equal(total, weight)
+
+
+def test_a_model_that_does_not_split_is_refused_before_workers_start(tmp_path):
+    model_dir = checkpoints.make_llama(tmp_path, num_key_value_heads=1)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2 must divide the model's key-value heads \(1\)"):
+        LLM(model=str(model_dir), device="cpu", max_model_len=128, num_kv_blocks=64, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("when", ["between steps", "during a step"])
+def test_a_rank_that_dies_is_reported_not_waited_for(tmp_path, when):
+    model_dir = checkpoints.make_llama(tmp_path)
+    script = tmp_path / "die.py"
+    script.write_text(textwrap.dedent(f"""
+        import threading, time
+        from fd_core import LLM, SamplingParams
+        from fd_core.errors import BackendError
+        llm = LLM(model={str(model_dir)!r}, device="cpu", max_model_len=128, num_kv_blocks=512,
+                  tensor_parallel_size=2)
+        rank1 = llm.engine.core.executor.workers._procs[1]
+        if {when!r} == "between steps":
+            rank1.kill()
+            rank1.wait()
+        else:  # rank 0 is then left inside a collective that rank 1 never joins
+            threading.Timer(1.0, rank1.kill).start()
+        started = time.monotonic()
+        try:
+            llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=100000, ignore_eos=True), use_tqdm=False)
+        except BackendError as e:
+            print("RAISED", e, flush=True)
+        llm.engine.core.shutdown()
+        print("ALL RANKS GONE", all(p.poll() is not None for p in llm.engine.core.executor.workers._procs))
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "RAISED tensor-parallel rank 1 exited with code -9" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ALL RANKS GONE True" in run.stdout
