@@ -186,6 +186,8 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             traceback.print_exc()
             outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
             code = 1
+        finally:
+            core.shutdown()  # its tensor-parallel ranks, if any
     finally:
         inbox.close()
         outbox.close(linger=1000)  # let the last message (Failed, final stats) reach the client

@@ -17,9 +17,11 @@ arrays and small dataclasses.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,8 +88,9 @@ class Workers:
                 [sys.executable, "-m", "fd_core.engine.executor", "--rank", str(rank), "--calls", address,
                  "--replies", f"ipc://{self._dir}/replies", "--parent", str(os.getpid())],
             ))
-        self._send(("init", config, world_size, rendezvous))
         self._closing = False
+        atexit.register(self.close)  # an engine never shut down still stops its ranks
+        self._send(("init", config, world_size, rendezvous))
 
     def dead(self) -> tuple[int, int | None] | None:
         """``(rank, exit code)`` of a worker that is gone, if any."""
@@ -157,6 +160,7 @@ class Workers:
             sender.close()
         self._replies.close(linger=0)
         self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class Executor:

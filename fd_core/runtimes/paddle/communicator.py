@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import paddle
 import paddle.distributed as dist
+
+from fd_core.runtimes.ranks import RankedGroup, parse_rendezvous
 
 Tensor = paddle.Tensor
 
@@ -15,11 +16,8 @@ def init_process_group(rank: int, world_size: int, rendezvous: str, backend: str
     """Join ``paddle.distributed``'s process group as ``rank``: the environment its launcher
     would set, then ``init_parallel_env``. ``rendezvous`` is ``host:port,port,...`` (one port
     per rank: Paddle gives every rank an endpoint)."""
-    host, _, ports = rendezvous.rpartition(":")
-    ports_list = ports.split(",")
-    if len(ports_list) < world_size:
-        raise ValueError(f"rendezvous {rendezvous!r} needs {world_size} ports")
-    endpoints = [f"{host}:{p}" for p in ports_list[:world_size]]
+    host, ports = parse_rendezvous(rendezvous, world_size)
+    endpoints = [f"{host}:{p}" for p in ports[:world_size]]
     os.environ.update(
         PADDLE_TRAINER_ID=str(rank), PADDLE_TRAINERS_NUM=str(world_size),
         PADDLE_TRAINER_ENDPOINTS=",".join(endpoints), PADDLE_CURRENT_ENDPOINT=endpoints[rank],
@@ -28,7 +26,7 @@ def init_process_group(rank: int, world_size: int, rendezvous: str, backend: str
     dist.init_parallel_env()
 
 
-class PaddleCommunicator:
+class PaddleCommunicator(RankedGroup):
     """Collectives among the ``world_size`` ranks of one model instance.
 
     ``world_size == 1``: every collective is the identity and send/recv raise, so no distributed
@@ -41,22 +39,9 @@ class PaddleCommunicator:
     treat the argument as consumed.
     """
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Any | None = None) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
-
     def _global(self, rank: int) -> int:
         # Paddle names peers by global rank; our callers count within the group.
         return rank if self.group is None else self.group.ranks[rank]
-
-    def _check_peer(self, peer: int, what: str) -> None:
-        if self.world_size == 1:
-            raise RuntimeError(f"{what} needs another rank, but this communicator has world_size 1")
-        if not 0 <= peer < self.world_size:
-            raise ValueError(f"{what}: rank {peer} is outside world_size {self.world_size}")
 
     def all_reduce(self, tensor: Tensor) -> Tensor:
         if self.world_size > 1:
