@@ -1,0 +1,69 @@
+"""The CUDA platform: NVIDIA GPUs through PyTorch (runtime "torch")."""
+
+from __future__ import annotations
+
+import os
+
+from fd_core.interfaces import Capabilities
+
+
+class CudaPlatform:
+    name = "cuda"
+    device_type = "cuda"
+    runtime = "torch"
+
+    def is_available(self) -> tuple[bool, str]:
+        try:
+            import torch
+        except ImportError:
+            return False, "PyTorch is not installed (pip install torch)"
+        if not torch.cuda.is_available():
+            if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+                return False, "CUDA_VISIBLE_DEVICES is empty"
+            return False, f"torch {torch.__version__} sees no CUDA device"
+        return True, ""
+
+    def device_count(self) -> int:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def capabilities(self) -> Capabilities:
+        import torch
+
+        dtypes = {"float32", "float16"}
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            if major >= 8:  # bfloat16 from Ampere (sm80)
+                dtypes.add("bfloat16")
+        return Capabilities(
+            dtypes=frozenset(dtypes),
+            kv_cache_dtypes=frozenset(dtypes),
+            prefix_caching=True,
+            chunked_prefill=True,
+            kv_swap=True,
+            collective_library="nccl",
+            pinned_host_memory=True,
+            device_count=self.device_count(),
+            memory_query=True,
+        )
+
+    def memory(self, device_index: int = 0):
+        from fd_core.runtimes.torch import TorchMemory
+
+        return TorchMemory(f"cuda:{device_index}")
+
+    def communicator(self, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
+        from fd_core.runtimes.torch import TorchCommunicator, init_process_group
+
+        if world_size > 1:
+            init_process_group(rank, world_size, rendezvous, backend="nccl")
+        return TorchCommunicator(rank=rank, world_size=world_size)
+
+    def runner_hooks(self):
+        return None
+
+    def describe_devices(self) -> list[str]:
+        import torch
+
+        return [torch.cuda.get_device_name(i) for i in range(self.device_count())]

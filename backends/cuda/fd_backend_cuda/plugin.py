@@ -1,0 +1,33 @@
+"""fd's entry point for this package: the CUDA platform and its Triton ops."""
+
+from __future__ import annotations
+
+from fd_core.plugins import hookimpl
+
+FD_API_VERSION = "1.1"
+
+
+@hookimpl
+def fd_platforms():
+    from fd_backend_cuda.platform import CudaPlatform
+
+    return [CudaPlatform()]
+
+
+@hookimpl
+def fd_register_ops(registry):
+    try:
+        from fd_backend_cuda import ops
+    except ImportError:  # no triton: the torch reference ops serve every op
+        return
+
+    def supports_for(op):
+        def check(dtype=None, head_dim=None, **_):
+            import torch
+
+            return ops.supports(op, getattr(torch, dtype) if isinstance(dtype, str) else dtype, head_dim)
+
+        return check
+
+    for op, fn in ops.OPS.items():
+        registry.register(op, "cuda", fn, name=f"triton-{op}", priority=10, supports=supports_for(op))
