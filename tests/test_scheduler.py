@@ -164,3 +164,10 @@ def test_sampling_params_reject_bad_values(kwargs, match):
 def test_sampling_params_normalise():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert p.stop_strings == ("###",) and p.top_k == 0 and p.greedy
+
+
+@pytest.mark.parametrize("start, end", [(0, 3), (2, 7), (5, 6), (6, 9), (0, 9), (8, 20)])
+def test_tokens_between_is_a_slice_of_tokens(start, end):
+    seq = make_seq(0, 6)
+    seq.output_token_ids = [100, 101, 102]
+    assert seq.tokens_between(start, end) == seq.tokens[start:end]

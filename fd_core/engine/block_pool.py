@@ -39,12 +39,10 @@ def seq_block_hashes(seq: Sequence, num_blocks: int, block_size: int) -> list[by
     """The chained hashes of ``seq``'s first ``num_blocks`` full blocks, extending the memo on
     the sequence (its tokens only ever grow, so earlier hashes stay valid)."""
     hashes = seq.block_hashes
-    tokens = None
     while len(hashes) < num_blocks:
-        tokens = tokens or seq.tokens
         i = len(hashes)
         hashes.append(block_hash(hashes[-1] if hashes else None,
-                                 tokens[i * block_size:(i + 1) * block_size], seq.cache_salt))
+                                 seq.tokens_between(i * block_size, (i + 1) * block_size), seq.cache_salt))
     return hashes[:num_blocks]
 
 

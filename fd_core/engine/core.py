@@ -128,7 +128,9 @@ class EngineCore:
                 workers.close()
                 raise
             self.executor = Executor(config.block_size, self.eos_token_ids, workers=workers)
-            self.memory, self.ops = self.platform.memory(0), None  # the ranks hold the model
+            # the ranks hold the model and the device memory; this process touches neither (on a
+            # GPU, a Memory here would open a device context beside rank 0's)
+            self.memory, self.ops = None, None
 
         num_blocks = self._num_kv_blocks()
         if (num_blocks - 1) * config.block_size < self.max_model_len:
@@ -170,7 +172,7 @@ class EngineCore:
             return c.num_kv_blocks
         per_block = self._kv_block_bytes()
         budget = c.kv_cache_memory_gb * GiB
-        free, _ = self.memory.memory_info()
+        free, _ = self.executor.memory_info()
         if free:
             budget = min(budget, free // 2)
         return max(2, int(budget // per_block))

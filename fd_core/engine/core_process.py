@@ -149,7 +149,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
     """Entry point of the spawned process. Exits non-zero if start-up or a step fails."""
     # Ctrl-C reaches the whole process group; the parent decides when this process stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(parent_pid)
+    watch_parent(parent_pid)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
@@ -198,9 +198,10 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             os._exit(code)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
     """Exit if the parent dies while the main thread is busy (loading a model, a long step):
-    re-parenting changes our parent pid. The idle loop checks too, and exits cleanly."""
+    re-parenting changes our parent pid. The engine core's idle loop checks too, and exits
+    cleanly; tensor-parallel workers rely on this alone."""
 
     def watch() -> None:
         while True:

@@ -26,7 +26,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 import zmq
 
 from fd_core.engine.config import EngineConfig
+from fd_core.engine.core_process import watch_parent
 from fd_core.engine.model_runner import (
     ModelRunner,
     StepResult,
@@ -184,6 +184,10 @@ class Executor:
         self.workers.call(method, *args)
         return self.workers.wait()[0]
 
+    def memory_info(self) -> tuple[int, int]:
+        """Rank 0's ``(free, total)`` device memory (the ranks are alike)."""
+        return self._everywhere("memory_info")
+
     def initialize_kv_cache(self, num_blocks: int, dtype: str) -> None:
         self._everywhere("initialize_kv_cache", num_blocks, dtype)
 
@@ -212,16 +216,6 @@ class Executor:
 
 
 # -- the worker process --------------------------------------------------------------------------
-
-
-def _watch_parent(parent_pid: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="fd-tp-parent-watch", daemon=True).start()
 
 
 def _worker(rank: int, calls: str, replies: str) -> int:
@@ -274,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replies", required=True)
     ap.add_argument("--parent", type=int, required=True)
     args = ap.parse_args(argv)
-    _watch_parent(args.parent)
+    watch_parent(args.parent)
     return _worker(args.rank, args.calls, args.replies)
 
 

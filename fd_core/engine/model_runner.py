@@ -65,7 +65,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
         table = s.seq.block_table
         block_tables[i, : len(table)] = table
         start = s.seq.num_computed
-        ids_parts.append(np.asarray(s.seq.tokens[start : start + s.num_new], dtype=np.int64))
+        ids_parts.append(np.asarray(s.seq.tokens_between(start, start + s.num_new), dtype=np.int64))
         pos_parts.append(np.arange(start, start + s.num_new, dtype=np.int64))
         if s.samples:
             for seq in (s.seq, *s.seq.forks):
@@ -105,6 +105,9 @@ class ModelRunner:
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str) -> list[tuple[Any, Any]]:
         m = self.model  # its own heads: a tensor-parallel rank holds a slice
         return allocate(m.config.num_hidden_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, dtype)
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.memory.memory_info()
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)

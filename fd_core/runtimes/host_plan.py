@@ -300,3 +300,11 @@ def top_k_ties_unresolved(values: np.ndarray, at_least_last: np.ndarray) -> bool
     inside = bool((values[:, 1:] == values[:, :-1]).any())
     outside = bool((np.asarray(at_least_last).reshape(-1) > values.shape[1]).any())
     return inside or outside
+
+
+def block_rows(src_to_dst, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cache rows of whole-block copies ``(src, dst)``: source rows and destination rows,
+    block after block (a block is ``block_size`` consecutive rows)."""
+    pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
+    offsets = np.arange(block_size, dtype=np.int64)
+    return (pairs[:, :1] * block_size + offsets).reshape(-1), (pairs[:, 1:] * block_size + offsets).reshape(-1)

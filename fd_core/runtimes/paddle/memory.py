@@ -11,6 +11,7 @@ import numpy as np
 import paddle
 
 from fd_core.runtimes.host import host_memory
+from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.paddle.ops import put_rows, take_rows
 
 Tensor = paddle.Tensor
@@ -109,15 +110,14 @@ class PaddleMemory:
     ) -> None:
         if not len(src_to_dst):
             return
-        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
-        offsets = np.arange(block_size, dtype=np.int64)
-        src_rows = (pairs[:, :1] * block_size + offsets).reshape(-1)
-        dst_rows = (pairs[:, 1:] * block_size + offsets).reshape(-1)
+        src_rows, dst_rows = block_rows(src_to_dst, block_size)
         src_place, dst_place = src[0][0].place, dst[0][0].place
         src_index = paddle.to_tensor(src_rows, place=src_place)
         dst_index = paddle.to_tensor(dst_rows, place=dst_place)
         for src_layer, dst_layer in zip(src, dst):
             for s_cache, d_cache in zip(src_layer, dst_layer):
+                # every source row is gathered before any is written, so copying within one
+                # cache (copy_blocks) reads a block that is also a destination as it was
                 rows = take_rows(s_cache, src_index)
                 put_rows(d_cache, dst_index, rows if src_place == dst_place else rows.to(dst_place))
 
@@ -127,17 +127,7 @@ class PaddleMemory:
         block_size: int,
         src_to_dst: Sequence[tuple[int, int]],
     ) -> None:
-        if not len(src_to_dst):
-            return
-        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
-        offsets = np.arange(block_size, dtype=np.int64)
-        src = paddle.to_tensor((pairs[:, :1] * block_size + offsets).reshape(-1), place=self.place)
-        dst = paddle.to_tensor((pairs[:, 1:] * block_size + offsets).reshape(-1), place=self.place)
-        for key, value in kv_caches:
-            # Gather every source before writing, so a block that is both a source and a
-            # destination is read as it was before the call.
-            for cache in (key, value):
-                put_rows(cache, dst, take_rows(cache, src))
+        self.swap_blocks(kv_caches, kv_caches, block_size, src_to_dst)
 
     def memory_info(self) -> tuple[int, int]:
         if isinstance(self.place, paddle.CPUPlace):

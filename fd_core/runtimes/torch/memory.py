@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from fd_core.runtimes.host import host_memory
+from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.torch.ops import put_rows, take_rows
 
 Tensor = torch.Tensor
@@ -140,11 +141,9 @@ class TorchMemory:
     ) -> None:
         if not len(src_to_dst):
             return
-        pairs = np.asarray(src_to_dst, dtype=np.int64).reshape(-1, 2)
-        offsets = np.arange(block_size, dtype=np.int64)
         device = kv_caches[0][0].device
-        src = torch.from_numpy((pairs[:, :1] * block_size + offsets).reshape(-1)).to(device)
-        dst = torch.from_numpy((pairs[:, 1:] * block_size + offsets).reshape(-1)).to(device)
+        src_rows, dst_rows = block_rows(src_to_dst, block_size)
+        src, dst = torch.from_numpy(src_rows).to(device), torch.from_numpy(dst_rows).to(device)
         for key, value in kv_caches:
             # Gather every source before writing, so a block that is both a source and a
             # destination is read as it was before the call.
