@@ -43,12 +43,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--runtime", default=None, help="paddle or torch (default: the device's own)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
 
-    llm = LLM(model=args.model, device=args.device, max_model_len=2048, max_num_seqs=max(16, args.concurrency))
+    llm = LLM(model=args.model, device=args.device, runtime=args.runtime, max_model_len=2048,
+              max_num_seqs=max(16, args.concurrency))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     timed(llm, prompts(1), SamplingParams(temperature=0, max_tokens=4))  # warm-up
 
@@ -58,6 +60,7 @@ def main() -> None:
     result = {
         "model": args.model,
         "device": args.device,
+        "runtime": llm.engine.core.platform.runtime,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "batch1_decode_tokens_per_s": round(decode_tps, 2),
         "batch1_time_per_output_token_ms": round(1000 / decode_tps, 2),

@@ -132,7 +132,14 @@ def _corpus() -> list[str]:
 @lru_cache(maxsize=1)
 def byte_level_tokenizer_json() -> str:
     """A ~480-token byte-level BPE (GPT-2 style) trained on a toy corpus, as tokenizer.json text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -307,6 +314,14 @@ def _sentencepiece_tokenizer(folder: Path, *, chat_template: str) -> None:
         },
     )
     _write_json(folder / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+
+
+# The shape of ERNIE-4.5-0.3B (baidu/ERNIE-4.5-0.3B-PT), for make_ernie45(tmp, **ERNIE_45_03B):
+# the GPU tests and benchmarks run a random-weight model of it.
+ERNIE_45_03B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=18, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=128, vocab_size=103424, max_position_embeddings=131072,
+)
 
 
 def make_ernie45(tmp: Path, *, seed: int = 2, **overrides) -> Path:

@@ -11,11 +11,17 @@ import numpy as np
 import paddle
 import pytest
 
-from fd_core.interfaces.ops import OP_SPECS, AttentionMetadata, QuantizedWeight, SamplingBatch
+from fd_core.interfaces.ops import (
+    OP_SPECS,
+    AttentionMetadata,
+    QuantizedWeight,
+    SamplingBatch,
+)
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.paddle import REFERENCE_OPS
 from fd_core.runtimes.paddle import ops as pd_ops
 from fd_core.testing import spec
+from fd_core.testing.batches import make_sampling_batch
 from fd_core.testing.spec import TOLERANCES
 
 
@@ -526,30 +532,6 @@ def test_moe_spec_from_first_principles():
 # --- sample ------------------------------------------------------------------------------------
 
 
-def make_batch(num_rows: int, **fields) -> SamplingBatch:
-    def column(name, value, dtype):
-        return np.asarray(fields.get(name, [value] * num_rows), dtype=dtype)
-
-    empty = [np.zeros(0, dtype=np.int64) for _ in range(num_rows)]
-    return SamplingBatch(
-        temperature=column("temperature", 1.0, np.float32),
-        top_p=column("top_p", 1.0, np.float32),
-        top_k=column("top_k", 0, np.int64),
-        min_p=column("min_p", 0.0, np.float32),
-        presence_penalty=column("presence_penalty", 0.0, np.float32),
-        frequency_penalty=column("frequency_penalty", 0.0, np.float32),
-        repetition_penalty=column("repetition_penalty", 1.0, np.float32),
-        seeds=column("seeds", 0, np.int64)
-        if "seeds" in fields
-        else np.arange(num_rows, dtype=np.int64),
-        steps=column("steps", 0, np.int64),
-        prompt_token_ids=[np.asarray(t, np.int64) for t in fields.get("prompt_token_ids", empty)],
-        output_token_ids=[np.asarray(t, np.int64) for t in fields.get("output_token_ids", empty)],
-        suppress_token_ids=[
-            np.asarray(t, np.int64) for t in fields.get("suppress_token_ids", empty)
-        ],
-        num_logprobs=fields.get("num_logprobs", 0),
-    )
 
 
 def both(logits: np.ndarray, batch: SamplingBatch):
@@ -573,7 +555,7 @@ def log_softmax64(logits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("num_rows,vocab", [(1, 10), (4, 1000), (3, 49152)])
 def test_sample_greedy_is_argmax(num_rows, vocab):
     logits = randn(np.random.default_rng(vocab), num_rows, vocab) * 3
-    expected, actual = both(logits, make_batch(num_rows, temperature=[0.0] * num_rows))
+    expected, actual = both(logits, make_sampling_batch(num_rows, temperature=[0.0] * num_rows))
     for out in (expected, actual):
         np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
         np.testing.assert_array_equal(out.ranks, np.ones(num_rows))
@@ -591,7 +573,7 @@ def random_batch(rng: np.random.Generator, num_rows: int, vocab: int) -> Samplin
     def tokens(most: int) -> list[np.ndarray]:
         return [rng.integers(0, vocab, rng.integers(0, most)) for _ in range(num_rows)]
 
-    return make_batch(
+    return make_sampling_batch(
         num_rows,
         temperature=pick([0.0, 0.3, 1.0, 1.7]),
         top_k=pick([0, 1, 5, 40, vocab]),
@@ -620,7 +602,7 @@ def test_sample_matches_spec_on_mixed_batches(seed):
 def test_sample_logprobs_ranks_and_top_ids_from_first_principles():
     rng = np.random.default_rng(8)
     logits = randn(rng, 6, 300) * 2
-    batch = make_batch(6, temperature=[0, 1, 1, 0.5, 2, 0], num_logprobs=4)
+    batch = make_sampling_batch(6, temperature=[0, 1, 1, 0.5, 2, 0], num_logprobs=4)
     raw = log_softmax64(logits)
     for out in both(logits, batch):
         rows = np.arange(6)
@@ -636,7 +618,7 @@ def test_sample_logprobs_ranks_and_top_ids_from_first_principles():
 
 def test_sample_rank_ties_share_the_worse_rank():
     logits = np.array([[1.0, 3.0, 3.0, 0.0]], dtype=np.float32)
-    for out in both(logits, make_batch(1, temperature=[0.0], num_logprobs=2)):
+    for out in both(logits, make_sampling_batch(1, temperature=[0.0], num_logprobs=2)):
         assert out.token_ids[0] == 1
         assert out.ranks[0] == 2
         np.testing.assert_array_equal(out.top_ids, [[1, 2]])
@@ -649,14 +631,14 @@ def test_sample_top_ids_ties_go_to_the_lower_id():
         dtype=np.float32,
     )
     for temperature in (0.0, 1.0):
-        batch = make_batch(4, temperature=[temperature] * 4, num_logprobs=2)
+        batch = make_sampling_batch(4, temperature=[temperature] * 4, num_logprobs=2)
         expected, actual = both(logits, batch)
         np.testing.assert_array_equal(expected.top_ids, [[0, 1], [1, 2], [1, 2], [0, 2]])
         assert_same_output(expected, actual)
     # Over a large vocabulary: a flat row, and one whose runner-up ties with every other token.
     flat = np.zeros((2, 5000), np.float32)
     flat[1, 4999] = 1.0
-    expected, actual = both(flat, make_batch(2, temperature=[0.0, 0.0], num_logprobs=3))
+    expected, actual = both(flat, make_sampling_batch(2, temperature=[0.0, 0.0], num_logprobs=3))
     np.testing.assert_array_equal(expected.top_ids, [[0, 1, 2], [4999, 0, 1]])
     assert_same_output(expected, actual)
 
@@ -674,7 +656,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch():
     vocab = 400
     row = randn(rng, 1, vocab)
     params = dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
-    alone = make_batch(1, **{k: [v] for k, v in params.items()}, seeds=[1234], steps=[7])
+    alone = make_sampling_batch(1, **{k: [v] for k, v in params.items()}, seeds=[1234], steps=[7])
     others = random_batch(rng, 5, vocab)
     for impl in (spec.sample, lambda x, b: REFERENCE_OPS["sample"](pd(x), b)):
         token = impl(row, alone).token_ids[0]
@@ -686,7 +668,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch():
     # The step is part of the seed: a flat distribution gives different tokens at other steps.
     flat = np.zeros((1, vocab), np.float32)
     tokens = {
-        spec.sample(flat, make_batch(1, seeds=[1234], steps=[s])).token_ids[0] for s in range(10)
+        spec.sample(flat, make_sampling_batch(1, seeds=[1234], steps=[s])).token_ids[0] for s in range(10)
     }
     assert len(tokens) > 5
 
@@ -747,7 +729,7 @@ def test_sample_only_picks_allowed_tokens(temperature, top_k, top_p, min_p):
     vocab, num_rows = 60, 300
     logits = np.repeat(randn(rng, 1, vocab) * 1.5, num_rows, axis=0)
     allowed = allowed_tokens(logits[0].astype(np.float64), temperature, top_k, top_p, min_p)
-    batch = make_batch(
+    batch = make_sampling_batch(
         num_rows,
         temperature=[temperature] * num_rows,
         top_k=[top_k] * num_rows,
@@ -766,15 +748,108 @@ def test_sample_draws_follow_the_distribution():
     probs = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
     num_rows = 4000
     logits = np.repeat(np.log(np.maximum(probs, 1e-30))[None].astype(np.float32), num_rows, 0)
-    for out in both(logits, make_batch(num_rows)):
+    for out in both(logits, make_sampling_batch(num_rows)):
         freq = np.bincount(out.token_ids, minlength=5) / num_rows
         np.testing.assert_allclose(freq, probs, atol=0.03)
         assert freq[4] == 0
 
 
+def chi2_limit(df: int) -> float:
+    """The chi-square statistic exceeded with probability 1e-4 (Wilson-Hilferty)."""
+    a = 2 / (9 * df)
+    return df * (1 - a + 3.719 * np.sqrt(a)) ** 3
+
+
+def race(seeds, steps, probs: np.ndarray) -> np.ndarray:
+    """The token each (seed, step) row draws from ``probs`` with the contract's noise."""
+    noise = spec.sampling_noise(np.asarray(seeds), np.asarray(steps), len(probs))
+    return np.argmax(probs.astype(np.float32)[None, :] / noise, axis=1)
+
+
+def test_sampling_noise_definition():
+    """Pinned values, so that a change of the definition (which every backend must follow) is
+    never silent; and the noise is a function of (seed, step, token id) alone."""
+    key0, key1 = spec.sampling_keys([0, 1, 2**40 + 5], [0, 0, 123])
+    np.testing.assert_array_equal(key0, [2008210422, 3311306429, 2120072663])
+    np.testing.assert_array_equal(key1, [2228315529, 2397809054, 1469978618])
+    np.testing.assert_allclose(
+        spec.sampling_noise([0], [0], 4), [[1.6303279, 4.85078, 1.308352, 1.2291493]], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        spec.sampling_noise([2**62 + 12345], [2**31 + 7], 3),
+        [[0.9373783, 2.0271084, 0.0366523]],
+        rtol=1e-6,
+    )
+    # Element-wise: any subset of tokens, in any order, gets the same values.
+    seeds, steps = np.array([3, 2**63 - 1]), np.array([5, 0])
+    full = spec.sampling_noise(seeds, steps, 5000)
+    key0, key1 = spec.sampling_keys(seeds, steps)
+    ids = np.array([4999, 0, 17, 4096])
+    np.testing.assert_array_equal(
+        spec.counter_noise(key0[:, None], key1[:, None], ids[None, :]), full[:, ids]
+    )
+    assert full.dtype == np.float32 and np.all(full > 0) and np.all(np.isfinite(full))
+    # host_plan.noise (the Paddle reference's) is this function.
+    batch = make_sampling_batch(3, seeds=[9, 8, 7], steps=[1, 2, 3])
+    np.testing.assert_array_equal(
+        host_plan.noise(batch, np.array([2, 0]), 300),
+        spec.sampling_noise(np.array([7, 9]), np.array([3, 1]), 300),
+    )
+
+
+def test_sampling_noise_is_exponential():
+    noise = spec.sampling_noise(np.arange(32), np.zeros(32, np.int64), 32768).ravel()
+    assert abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.02
+    for q in (0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999):
+        # Fraction below the Exponential(1) quantile, within 5 binomial standard deviations.
+        below = np.mean(noise < -np.log1p(-q))
+        assert abs(below - q) < 5 * np.sqrt(q * (1 - q) / len(noise)), q
+    # Neighbouring tokens are uncorrelated.
+    rows = noise.reshape(32, -1)
+    assert abs(np.corrcoef(rows[:, :-1].ravel(), rows[:, 1:].ravel())[0, 1]) < 0.005
+
+
+def test_sampled_tokens_follow_the_distribution_over_seeds_and_steps():
+    """Chi-square of the race's draws against the probabilities, across seeds, across the
+    steps of one seed, and across seeds that differ only in their high 32 bits."""
+    probs = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    n = 40000
+    ids = np.arange(n, dtype=np.int64)
+    for seeds, steps in [(ids, 0 * ids), (0 * ids + 7, ids), (ids << 32, 0 * ids)]:
+        counts = np.bincount(race(seeds, steps, probs), minlength=len(probs))
+        expected = probs * n
+        assert np.sum((counts - expected) ** 2 / expected) < chi2_limit(len(probs) - 1)
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ("step", "step + 1"),
+        ("seed", "seed + 1"),
+        ("seed", "seed + 2**32"),  # the seed's high word counts
+        ("step", "seed"),  # seed and step do not enter symmetrically
+    ],
+)
+def test_draws_of_neighbouring_seeds_and_steps_are_independent(first, second):
+    """Pairs of rows whose (seed, step) differ by one step, one seed, or the high word of the
+    seed draw independently: their joint counts over 8 equally likely tokens are uniform."""
+    n = 40000
+    ids = np.arange(n, dtype=np.int64)
+    pairs = {
+        ("step", "step + 1"): ((ids, 0 * ids + 3), (ids, 0 * ids + 4)),
+        ("seed", "seed + 1"): ((2 * ids, 0 * ids + 3), (2 * ids + 1, 0 * ids + 3)),
+        ("seed", "seed + 2**32"): ((ids, 0 * ids + 3), (ids + 2**32, 0 * ids + 3)),
+        ("step", "seed"): ((ids, ids + 1), (ids + 1, ids)),
+    }[(first, second)]
+    uniform = np.full(8, 1 / 8)
+    a, b = race(*pairs[0], uniform), race(*pairs[1], uniform)
+    joint = np.bincount(a * 8 + b, minlength=64)
+    assert np.sum((joint - n / 64) ** 2 / (n / 64)) < chi2_limit(63)
+
+
 def test_penalties_spec_by_hand():
     logits = np.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], dtype=np.float32)
-    batch = make_batch(
+    batch = make_sampling_batch(
         1,
         repetition_penalty=[2.0],
         frequency_penalty=[0.5],
@@ -800,7 +875,7 @@ def test_penalties_and_suppression_steer_greedy_choice():
     logits = np.array(
         [[0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0], [0.1, 2.0, 1.9, 1.0]], np.float32
     )
-    batch = make_batch(
+    batch = make_sampling_batch(
         3,
         temperature=[0.0] * 3,
         frequency_penalty=[0.0, 0.3, 0.0],
@@ -816,7 +891,7 @@ def test_suppressed_tokens_are_never_sampled():
     rng = np.random.default_rng(11)
     logits = np.repeat(randn(rng, 1, 30), 200, axis=0)
     banned = np.argsort(-logits[0])[:5]
-    batch = make_batch(200, suppress_token_ids=[banned] * 200)
+    batch = make_sampling_batch(200, suppress_token_ids=[banned] * 200)
     expected, actual = both(logits, batch)
     np.testing.assert_array_equal(actual.token_ids, expected.token_ids)
     assert not set(expected.token_ids.tolist()) & set(banned.tolist())
@@ -824,7 +899,7 @@ def test_suppressed_tokens_are_never_sampled():
 
 def test_tiny_temperature_is_greedy_without_overflow():
     logits = randn(np.random.default_rng(12), 3, 500) * 50
-    for out in both(logits, make_batch(3, temperature=[1e-6] * 3)):
+    for out in both(logits, make_sampling_batch(3, temperature=[1e-6] * 3)):
         np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
 
 
@@ -838,7 +913,7 @@ def test_top_p_over_a_large_vocabulary(spread, top_p, top_k, width, monkeypatch)
     rng = np.random.default_rng(13)
     vocab, num_rows = 4096, 6
     logits = randn(rng, num_rows, vocab) * spread
-    batch = make_batch(
+    batch = make_sampling_batch(
         num_rows,
         top_p=[top_p] * num_rows,
         top_k=[top_k] * num_rows,

@@ -26,6 +26,7 @@ from fd_core.runtimes.torch import REFERENCE_OPS, TorchMemory  # noqa: E402
 from fd_core.runtimes.torch import memory as th_memory  # noqa: E402
 from fd_core.runtimes.torch import ops as th_ops  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
+from fd_core.testing.batches import make_sampling_batch
 from fd_core.testing.spec import TOLERANCES  # noqa: E402
 
 
@@ -376,28 +377,6 @@ def test_moe_router_ties_go_to_the_lower_expert():
 # --- sample ------------------------------------------------------------------------------------
 
 
-def make_batch(num_rows: int, **fields) -> SamplingBatch:
-    def column(name, value, dtype):
-        return np.asarray(fields.get(name, [value] * num_rows), dtype=dtype)
-
-    def ids(name):
-        return [np.asarray(t, np.int64) for t in fields.get(name, [[]] * num_rows)]
-
-    return SamplingBatch(
-        temperature=column("temperature", 1.0, np.float32),
-        top_p=column("top_p", 1.0, np.float32),
-        top_k=column("top_k", 0, np.int64),
-        min_p=column("min_p", 0.0, np.float32),
-        presence_penalty=column("presence_penalty", 0.0, np.float32),
-        frequency_penalty=column("frequency_penalty", 0.0, np.float32),
-        repetition_penalty=column("repetition_penalty", 1.0, np.float32),
-        seeds=np.asarray(fields.get("seeds", np.arange(num_rows)), dtype=np.int64),
-        steps=column("steps", 0, np.int64),
-        prompt_token_ids=ids("prompt_token_ids"),
-        output_token_ids=ids("output_token_ids"),
-        suppress_token_ids=ids("suppress_token_ids"),
-        num_logprobs=fields.get("num_logprobs", 0),
-    )
 
 
 def random_batch(rng: np.random.Generator, num_rows: int, vocab: int) -> SamplingBatch:
@@ -407,7 +386,7 @@ def random_batch(rng: np.random.Generator, num_rows: int, vocab: int) -> Samplin
     def tokens(most: int) -> list[np.ndarray]:
         return [rng.integers(0, vocab, rng.integers(0, most)) for _ in range(num_rows)]
 
-    return make_batch(
+    return make_sampling_batch(
         num_rows,
         temperature=pick([0.0, 0.3, 1.0, 1.7]),
         top_k=pick([0, 1, 5, 40, vocab]),
@@ -453,7 +432,7 @@ def check_sample(logits: np.ndarray, batch: SamplingBatch, paddle_runtime=None):
 @pytest.mark.parametrize("num_rows,vocab", [(1, 10), (4, 1000), (3, 49152)])
 def test_sample_greedy_is_argmax(num_rows, vocab):
     logits = randn(np.random.default_rng(vocab), num_rows, vocab) * 3
-    out = check_sample(logits, make_batch(num_rows, temperature=[0.0] * num_rows))
+    out = check_sample(logits, make_sampling_batch(num_rows, temperature=[0.0] * num_rows))
     np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
     np.testing.assert_array_equal(out.ranks, np.ones(num_rows))
     assert out.top_ids.shape == out.top_logprobs.shape == (num_rows, 0)
@@ -475,7 +454,7 @@ def test_sample_filters_match_spec_and_paddle(temperature, top_k, top_p, min_p, 
     rng = np.random.default_rng(10)
     vocab, num_rows = 60, 300
     logits = np.repeat(randn(rng, 1, vocab) * 1.5, num_rows, axis=0)
-    batch = make_batch(
+    batch = make_sampling_batch(
         num_rows, temperature=[temperature] * num_rows, top_k=[top_k] * num_rows,
         top_p=[top_p] * num_rows, min_p=[min_p] * num_rows,
     )
@@ -492,7 +471,7 @@ def test_top_p_over_a_large_vocabulary(spread, top_p, top_k, width, monkeypatch,
     rng = np.random.default_rng(13)
     vocab, num_rows = 4096, 6
     logits = randn(rng, num_rows, vocab) * spread
-    batch = make_batch(
+    batch = make_sampling_batch(
         num_rows, top_p=[top_p] * num_rows, top_k=[top_k] * num_rows,
         seeds=rng.integers(0, 1000, num_rows),
     )
@@ -508,17 +487,42 @@ def test_sample_draws_follow_the_distribution():
     probs = np.array([0.5, 0.25, 0.15, 0.1, 0.0])
     num_rows = 4000
     logits = np.repeat(np.log(np.maximum(probs, 1e-30))[None].astype(np.float32), num_rows, 0)
-    out = check_sample(logits, make_batch(num_rows))
+    out = check_sample(logits, make_sampling_batch(num_rows))
     freq = np.bincount(out.token_ids, minlength=5) / num_rows
     np.testing.assert_allclose(freq, probs, atol=0.03)
     assert freq[4] == 0
+
+
+def test_sampling_noise_is_the_specs_computed_on_the_device():
+    """The torch reference computes the contract's counter-based noise on a GPU with int64
+    tensor ops (on the CPU with the spec's NumPy): the integer hash bit for bit (so v exactly),
+    then float32 log1p within an ulp or two. Large seeds (high word set, near 2**63) and steps
+    past 2**32 included."""
+    seeds = np.array([0, 1, 2**32 + 3, 2**63 - 1, 123456789], dtype=np.int64)
+    steps = np.array([0, 5, 7, 2**33 + 1, 2**31], dtype=np.int64)
+    batch = make_sampling_batch(5, seeds=seeds, steps=steps)
+    rows = np.array([4, 0, 2, 3, 1])
+    expected = spec.sampling_noise(seeds[rows], steps[rows], 70000)
+    # On the CPU the reference takes NumPy's path; the tensor path is the one a GPU runs.
+    cpu = torch.device("cpu")
+    np.testing.assert_array_equal(th_ops.sampling_noise(batch, rows, 70000, cpu).numpy(), expected)
+    keys = torch.from_numpy(host_plan.noise_keys(batch, rows))
+    actual = th_ops._tensor_noise(keys, 70000).numpy()
+    assert actual.dtype == np.float32
+    np.testing.assert_array_max_ulp(actual, expected, maxulp=2)
+    # The integer mix itself is exact, over the whole uint32 range (products overflow int64 if
+    # not split).
+    x = np.random.default_rng(0).integers(0, 2**32, 100000, dtype=np.uint32)
+    x[:3] = [0, 1, 2**32 - 1]
+    mixed = th_ops._lowbias32(torch.from_numpy(x.astype(np.int64))).numpy()
+    np.testing.assert_array_equal(mixed, spec._lowbias32(x).astype(np.int64))
 
 
 def test_seeded_rows_are_independent_of_the_batch():
     rng = np.random.default_rng(9)
     vocab = 400
     row = randn(rng, 1, vocab)
-    alone = make_batch(1, temperature=[1.0], top_k=[50], top_p=[0.9], min_p=[0.01], seeds=[1234], steps=[7])
+    alone = make_sampling_batch(1, temperature=[1.0], top_k=[50], top_p=[0.9], min_p=[0.01], seeds=[1234], steps=[7])
     token = torch_sample(row, alone).token_ids[0]
     others = random_batch(rng, 5, vocab)
     for position in (0, 2, 5):
@@ -539,16 +543,16 @@ def test_sample_ties_rank_and_top_ids_like_the_spec(paddle_runtime):
         [[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 5.0, 1.0, 1.0]], dtype=np.float32
     )
     for temperature in (0.0, 1.0):
-        batch = make_batch(3, temperature=[temperature] * 3, num_logprobs=2)
+        batch = make_sampling_batch(3, temperature=[temperature] * 3, num_logprobs=2)
         out = check_sample(logits, batch, paddle_runtime)
         np.testing.assert_array_equal(out.top_ids, [[1, 2], [0, 1], [1, 2]])
-    out = check_sample(logits, make_batch(3, temperature=[0.0] * 3, num_logprobs=2))
+    out = check_sample(logits, make_sampling_batch(3, temperature=[0.0] * 3, num_logprobs=2))
     np.testing.assert_array_equal(out.token_ids, [1, 0, 1])
     np.testing.assert_array_equal(out.ranks, [2, 4, 1])
     # Over a large vocabulary: a flat row, and one whose runner-up ties with every other token.
     flat = np.zeros((2, 5000), np.float32)
     flat[1, 4999] = 1.0
-    out = check_sample(flat, make_batch(2, temperature=[0.0, 0.0], num_logprobs=3), paddle_runtime)
+    out = check_sample(flat, make_sampling_batch(2, temperature=[0.0, 0.0], num_logprobs=3), paddle_runtime)
     np.testing.assert_array_equal(out.top_ids, [[0, 1, 2], [4999, 0, 1]])
 
 
@@ -562,7 +566,7 @@ def test_penalties_match_spec():
 
 def test_penalties_and_suppression_steer_greedy_choice(paddle_runtime):
     logits = np.array([[0.1, 2.0, 1.9, 1.0]] * 3, np.float32)
-    batch = make_batch(
+    batch = make_sampling_batch(
         3, temperature=[0.0] * 3, frequency_penalty=[0.0, 0.3, 0.0],
         output_token_ids=[[1], [1], []], suppress_token_ids=[[], [], [1, 2]],
     )
@@ -576,7 +580,7 @@ def test_sample_leaves_the_logits_untouched():
     logits = randn(np.random.default_rng(11), 2, 30)
     tensor = th(logits)
     for temperature in (0.0, 1.0):
-        batch = make_batch(2, temperature=[temperature] * 2, suppress_token_ids=[[0, 1], [2]])
+        batch = make_sampling_batch(2, temperature=[temperature] * 2, suppress_token_ids=[[0, 1], [2]])
         torch_sample(logits, batch)
         REFERENCE_OPS["sample"](tensor, batch)
         np.testing.assert_array_equal(host(tensor), logits)
@@ -584,20 +588,20 @@ def test_sample_leaves_the_logits_untouched():
 
 def test_tiny_temperature_is_greedy_without_overflow():
     logits = randn(np.random.default_rng(12), 3, 500) * 50
-    out = check_sample(logits, make_batch(3, temperature=[1e-6] * 3))
+    out = check_sample(logits, make_sampling_batch(3, temperature=[1e-6] * 3))
     np.testing.assert_array_equal(out.token_ids, logits.argmax(axis=1))
 
 
 def test_sample_accepts_half_precision_logits():
     logits = randn(np.random.default_rng(14), 4, 300) * 2
     as_bf16 = host(th(logits).bfloat16())  # the values the bfloat16 tensor holds
-    batch = make_batch(4, temperature=[0.0, 0.7, 1.0, 0.0], top_p=[1.0, 0.9, 1.0, 1.0], num_logprobs=3)
+    batch = make_sampling_batch(4, temperature=[0.0, 0.7, 1.0, 0.0], top_p=[1.0, 0.9, 1.0, 1.0], num_logprobs=3)
     assert_same_output(spec.sample(as_bf16, batch), REFERENCE_OPS["sample"](th(logits).bfloat16(), batch))
 
 
 def test_sample_rejects_token_ids_outside_the_vocabulary():
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        torch_sample(np.zeros((1, 5), np.float32), make_batch(1, suppress_token_ids=[[5]]))
+        torch_sample(np.zeros((1, 5), np.float32), make_sampling_batch(1, suppress_token_ids=[[5]]))
 
 
 # --- TorchMemory -------------------------------------------------------------------------------
@@ -866,14 +870,14 @@ PROMPTS = [[1, 17, 300, 42, 9, 8, 101, 7, 5, 88, 64], [1, 2, 3, 4, 5], list(rang
 
 
 def greedy_batch(step, tokens, prompts):
-    return make_batch(len(tokens), temperature=[0.0] * len(tokens))
+    return make_sampling_batch(len(tokens), temperature=[0.0] * len(tokens))
 
 
 def seeded_batch(step, tokens, prompts):
     # Temperature 0.5: a random-weight model's logits are small, and at 1 the draw would hardly
     # depend on them. Penalties over the prompt and output, so those paths run too.
     n = len(tokens)
-    return make_batch(
+    return make_sampling_batch(
         n, temperature=[0.5] * n, top_p=[0.9] * n, top_k=[0, 40, 0], min_p=[0.0, 0.0, 0.05],
         repetition_penalty=[1.1] * n, frequency_penalty=[0.2] * n, seeds=[11, 12, 13], steps=[step] * n,
         prompt_token_ids=[np.array(p) for p in prompts],

@@ -9,6 +9,7 @@ from fd_core.interfaces import Capabilities
 
 GiB = 1 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass
@@ -29,6 +30,7 @@ class EngineConfig:
 
     model: str
     device: str = "auto"
+    runtime: str | None = None  # the tensor library to run on (--runtime); None: the platform's default
     dtype: str = "float32"
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
@@ -44,6 +46,7 @@ class EngineConfig:
     op_pins: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    enforce_eager: bool = False  # no captured graphs, even where the backend has them
 
     def validate(self) -> None:
         def positive(name: str) -> None:
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
             raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.runtime is not None and (not isinstance(self.runtime, str) or not self.runtime):
+            raise ConfigError(f"runtime must be a runtime name such as 'paddle' or 'torch', got {self.runtime!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fd_core.engine.block_pool import BlockPool
-from fd_core.engine.config import EngineConfig, GiB
+from fd_core.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, GiB
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import load_runner
 from fd_core.engine.model_runner import StepResult
@@ -90,10 +90,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.loader import load_checkpoint, resolve_model
         from fd_core.plugins import get_registry
+        from fd_core.plugins.registry import bind_runtime
 
         config.validate()
         registry = registry or get_registry()
-        self.platform = platform or registry.platform(config.device)
+        # --runtime: the platform bound to the tensor library it runs on (None: its default)
+        self.platform = (bind_runtime(platform, config.runtime) if platform is not None
+                         else registry.platform(config.device, config.runtime))
         self.capabilities = self.platform.capabilities()
         config.check_against(self.platform.name, self.capabilities)
         self.config = config
@@ -120,8 +123,8 @@ class EngineCore:
             self.executor = Executor(config.block_size, self.eos_token_ids, runner=runner)
             self.memory, self.ops = runner.memory, runner.ops
         else:
-            workers = Workers(dataclasses.replace(config, device=self.platform.name), world,
-                              rendezvous_address(world))
+            workers = Workers(dataclasses.replace(config, device=self.platform.name, runtime=self.platform.runtime),
+                              world, rendezvous_address(world))
             try:
                 workers.wait(timeout=900)  # every rank has loaded its shard
             except BaseException:
@@ -171,11 +174,35 @@ class EngineCore:
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         per_block = self._kv_block_bytes()
+        if self.capabilities.memory_profiling:
+            return self._profiled_kv_blocks(per_block)
         budget = c.kv_cache_memory_gb * GiB
         free, _ = self.executor.memory_info()
         if free:
             budget = min(budget, free // 2)
         return max(2, int(budget // per_block))
+
+    def _profiled_kv_blocks(self, per_block: int) -> int:
+        """``gpu_memory_utilization`` of each device, less what is in use after loading (weights,
+        runtime context, other processes) and the peak of the largest step, in KV blocks; the
+        smallest over the ranks."""
+        c = self.config
+        utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        blocks = []
+        for free, total, peak in self.executor.profile_memory(
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.dtype
+        ):
+            budget = total * utilization - (total - free) - peak
+            blocks.append(int(budget // per_block))
+            log.info("KV cache: %.2f GiB of %.2f GiB at --gpu-memory-utilization %.2f (in use %.2f GiB, "
+                     "step peak %.2f GiB)", max(budget, 0) / GiB, total / GiB, utilization,
+                     (total - free) / GiB, peak / GiB)
+        if min(blocks) < 2:
+            raise ConfigError(
+                f"--gpu-memory-utilization {utilization}: no device memory is left for the KV cache after "
+                f"the model and its largest step; raise it, or lower --max-num-batched-tokens / --max-num-seqs"
+            )
+        return min(blocks)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         check_prompt(token_ids, self.model_config.vocab_size, self.max_model_len,
@@ -262,16 +289,19 @@ class EngineCore:
             return []
         o = result.output
         outputs = []
+        # Python scalars once per array, not one NumPy scalar per row
+        tokens, logprobs, ranks = o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist()
+        top_ids, top_logprobs = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
         for row, seq in enumerate(result.sampled):
-            token = int(o.token_ids[row])
+            token = tokens[row]
             seq.output_token_ids.append(token)
-            self.stats["generation_tokens"] += 1
             k = seq.params.logprobs or 0
-            top = [(int(t), float(lp)) for t, lp in zip(o.top_ids[row][:k], o.top_logprobs[row][:k])]
-            output = CoreOutput(seq.request_id, seq.index, token, float(o.logprobs[row]), int(o.ranks[row]), top,
+            top = list(zip(top_ids[row][:k], top_logprobs[row][:k])) if k else []
+            output = CoreOutput(seq.request_id, seq.index, token, logprobs[row], ranks[row], top,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
             self._check_finish(seq, token, output)
             outputs.append(output)
+        self.stats["generation_tokens"] += len(outputs)
         return outputs
 
     def _check_finish(self, seq: Sequence, token: int, output: CoreOutput) -> None:

@@ -35,21 +35,29 @@ class TextState:
         self.read_offset = n
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens_from(self, start: int) -> list[int]:
+        """``(prompt + output)[start:]`` without copying the whole prompt every token."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
 
 
 def append_text(tokenizer: Tokenizer, state: TextState) -> str:
     """Decode the newest token of ``state`` into ``state.text``; returns the text it added."""
-    tokens = state.tokens
+    window = state.tokens_from(state.prefix_offset)
+    num_tokens = state.num_tokens
     skip = state.params.skip_special_tokens
-    before = tokenizer.decode(tokens[state.prefix_offset : state.read_offset], skip_special_tokens=skip)
-    after = tokenizer.decode(tokens[state.prefix_offset :], skip_special_tokens=skip)
+    before = tokenizer.decode(window[: state.read_offset - state.prefix_offset], skip_special_tokens=skip)
+    after = tokenizer.decode(window, skip_special_tokens=skip)
     if after.endswith("\ufffd") or len(after) <= len(before):
         return ""  # an incomplete character, or a token that renders as nothing yet
     new = after[len(before) :]
-    state.prefix_offset = max(state.read_offset, len(tokens) - _CONTEXT)
-    state.read_offset = len(tokens)
+    state.prefix_offset = max(state.read_offset, num_tokens - _CONTEXT)
+    state.read_offset = num_tokens
     state.text += new
     return new
 

@@ -47,9 +47,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; the outputs of the requests that changed."""
-        outputs, stopped = self.processor.process(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the outputs of the requests that changed (``final_only``: of
+        those that finished)."""
+        outputs, stopped = self.processor.process(self.core.step(), final_only)
         for request_id, index in stopped:
             self.core.abort(request_id, index)
         return outputs
@@ -58,7 +59,7 @@ class LLMEngine:
         """Step until every request is done; returns the final output of each."""
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
-            for output in self.step():
+            for output in self.step(final_only=True):
                 if output.finished:
                     done[output.request_id] = output
                     if progress is not None:

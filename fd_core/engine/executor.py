@@ -188,6 +188,14 @@ class Executor:
         """Rank 0's ``(free, total)`` device memory (the ranks are alike)."""
         return self._everywhere("memory_info")
 
+    def profile_memory(self, num_tokens: int, num_rows: int, max_model_len: int, dtype: str) -> list[tuple[int, int, int]]:
+        """Every rank's ``(free, total, peak)`` after a profiling step (ModelRunner.profile_memory)."""
+        args = (num_tokens, num_rows, max_model_len, dtype)
+        if self.runner is not None:
+            return [self.runner.profile_memory(*args)]
+        self.workers.call("profile_memory", *args)
+        return self.workers.wait()
+
     def initialize_kv_cache(self, num_blocks: int, dtype: str) -> None:
         self._everywhere("initialize_kv_cache", num_blocks, dtype)
 
@@ -241,7 +249,7 @@ def _worker(rank: int, calls: str, replies: str) -> int:
                 if message[0] == "init":
                     _, config, world_size, rendezvous = message
                     registry = get_registry()
-                    platform = registry.platform(config.device)
+                    platform = registry.platform(config.device, config.runtime)  # the engine's runtime
                     comm = platform.communicator(rank, world_size, rendezvous)
                     runner = load_runner(config, platform, registry, rank, world_size, comm)
                     result = None

@@ -7,7 +7,7 @@ from typing import Any
 
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
-from fd_core.interfaces import Communicator, Platform
+from fd_core.interfaces import Communicator, Platform, RunnerLimits
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
@@ -28,4 +28,7 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     tp = TensorParallel(rank, world_size, comm)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     model.load_weights(checkpoint.weights())
-    return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks())
+    limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
+                          config.block_size)
+    return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks(), limits,
+                       enforce_eager=config.enforce_eager)

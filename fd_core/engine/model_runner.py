@@ -8,6 +8,8 @@ adds chip-specific steps through ``ModelRunnerHooks`` (e.g. replaying captured g
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ from fd_core.interfaces import (
     AttentionMetadata,
     Memory,
     ModelRunnerHooks,
+    RunnerLimits,
     SampleOutput,
     SamplingBatch,
 )
@@ -50,39 +53,50 @@ class StepInputs:
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
     scheduled sequence whose step reaches its end, followed by the siblings waiting to fork from
-    it (they sample from the same row, each with its own seed)."""
+    it (they sample from the same row, each with its own seed).
+
+    Built with one Python pass over the sequences and array operations after it: at a few
+    hundred sequences per step this runs every step, between two forwards."""
     num_seqs = len(scheduled)
-    query_lens = np.array([s.num_new for s in scheduled], dtype=np.int64)
-    context_lens = np.array([s.seq.num_computed for s in scheduled], dtype=np.int64)
+    query_lens = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=num_seqs)
+    context_lens = np.fromiter((s.seq.num_computed for s in scheduled), dtype=np.int64, count=num_seqs)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    max_blocks = max(len(s.seq.block_table) for s in scheduled)
-    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-    ids_parts, pos_parts = [], []
+    num_tokens = int(query_start_loc[-1])
+    tables = [s.seq.block_table for s in scheduled]
+    widths = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+    block_tables = np.zeros((num_seqs, int(widths.max())), dtype=np.int64)
+    # row-major boolean assignment fills each row's first `width` entries in order
+    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int64, count=int(widths.sum()))
+    if num_tokens == num_seqs:  # one token each (decodes, mostly)
+        ids = np.fromiter((s.seq.token_at(s.seq.num_computed) for s in scheduled), dtype=np.int64, count=num_seqs)
+    else:
+        ids = np.fromiter(itertools.chain.from_iterable(
+            s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new) for s in scheduled),
+            dtype=np.int64, count=num_tokens)
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token])
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     sampled: list[Sequence] = []
     rows: list[int] = []
     for i, s in enumerate(scheduled):
-        table = s.seq.block_table
-        block_tables[i, : len(table)] = table
-        start = s.seq.num_computed
-        ids_parts.append(np.asarray(s.seq.tokens_between(start, start + s.num_new), dtype=np.int64))
-        pos_parts.append(np.arange(start, start + s.num_new, dtype=np.int64))
         if s.samples:
-            for seq in (s.seq, *s.seq.forks):
-                sampled.append(seq)
-                rows.append(int(query_start_loc[i + 1]) - 1)
-    positions = np.concatenate(pos_parts)
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+            row = int(query_start_loc[i + 1]) - 1
+            sampled.append(s.seq)
+            rows.append(row)
+            for fork in s.seq.forks:
+                sampled.append(fork)
+                rows.append(row)
     meta = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=context_lens + query_lens,
         context_lens=context_lens,
         block_tables=block_tables,
-        slot_mapping=slot_mapping.astype(np.int64),
+        slot_mapping=slot_mapping,
         block_size=block_size,
     )
-    inputs = StepInputs(np.concatenate(ids_parts), positions, meta, np.asarray(rows, dtype=np.int64))
+    inputs = StepInputs(ids, positions, meta, np.asarray(rows, dtype=np.int64))
     return inputs, sampled
 
 
@@ -90,7 +104,8 @@ class ModelRunner:
     """One rank's model, KV cache and swap space."""
 
     def __init__(self, model: Any, ops: Any, memory: Memory, block_size: int,
-                 hooks: ModelRunnerHooks | None = None) -> None:
+                 hooks: ModelRunnerHooks | None = None, limits: RunnerLimits | None = None,
+                 enforce_eager: bool = False) -> None:
         self.model = model
         self.ops = ops
         self.memory = memory
@@ -99,8 +114,10 @@ class ModelRunner:
         self.host_caches: list[tuple[Any, Any]] = []  # swap space
         self.forward = model.forward
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
-        if wrap is not None:
-            self.forward = wrap(model.forward)
+        if wrap is not None and not enforce_eager:
+            # a hook written for API 1.0/1.1 takes the forward alone
+            takes_limits = len(inspect.signature(wrap).parameters) >= 2
+            self.forward = wrap(model.forward, limits) if takes_limits else wrap(model.forward)
 
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str) -> list[tuple[Any, Any]]:
         m = self.model  # its own heads: a tensor-parallel rank holds a slice
@@ -111,6 +128,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
+        warm_up = getattr(self.forward, "warm_up", None)
+        if warm_up is not None:  # e.g. capture graphs before the first request
+            warm_up(self.kv_caches, self.memory.device)
 
     def initialize_swap_space(self, num_blocks: int, dtype: str = "float32") -> None:
         self.host_caches = self._allocate(self.memory.allocate_host_kv_cache, num_blocks, dtype)
@@ -124,15 +144,64 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.memory.copy_blocks(self.kv_caches, self.block_size, pairs)
 
-    def run(self, inputs: StepInputs) -> Any:
+    def profile_memory(self, num_tokens: int, num_rows: int, max_model_len: int, dtype: str) -> tuple[int, int, int]:
+        """Run the largest step the engine may schedule — ``num_tokens`` prompt tokens in
+        sequences of at most ``max_model_len``, then logits and top-k/top-p sampling for
+        ``num_rows`` rows — on a throw-away KV cache; return ``(free, total, peak)``: the
+        device's memory afterwards and the most the step held at once (the cache included,
+        which errs on the safe side)."""
+        bs = self.block_size
+        lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+        blocks = [-(-n // bs) for n in lengths]
+        tables = np.zeros((len(lengths), max(blocks)), dtype=np.int64)
+        first = 1  # block 0 is never handed out
+        for i, count in enumerate(blocks):
+            tables[i, :count] = np.arange(first, first + count)
+            first += count
+        qsl = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=qsl[1:])
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+        seq_of_token = np.repeat(np.arange(len(lengths)), lengths)
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=np.array(lengths, dtype=np.int64),
+                                 context_lens=np.zeros(len(lengths), dtype=np.int64), block_tables=tables,
+                                 slot_mapping=slots, block_size=bs)
+        inputs = StepInputs(np.zeros(num_tokens, dtype=np.int64), positions, meta,
+                            np.full(num_rows, num_tokens - 1, dtype=np.int64))
+        rows = np.ones(num_rows, dtype=np.float32)
+        batch = SamplingBatch(
+            temperature=rows, top_p=rows * 0.9, top_k=np.full(num_rows, 50, dtype=np.int64), min_p=rows * 0.05,
+            presence_penalty=rows * 0, frequency_penalty=rows * 0, repetition_penalty=rows,
+            seeds=np.zeros(num_rows, dtype=np.int64), steps=np.zeros(num_rows, dtype=np.int64),
+            prompt_token_ids=[_EMPTY] * num_rows, output_token_ids=[_EMPTY] * num_rows,
+            suppress_token_ids=[_EMPTY] * num_rows,
+        )
+        kept = self.kv_caches
+
+        def step() -> None:
+            self.kv_caches = self._allocate(self.memory.allocate_kv_cache, first, dtype)
+            try:
+                self.ops.sample(self.run(inputs, eager=True), batch)
+            finally:
+                self.kv_caches = kept
+
+        peak = self.memory.profile(step)
+        free, total = self.memory.memory_info()
+        return free, total, peak
+
+    def run(self, inputs: StepInputs, eager: bool = False) -> Any:
         """Forward over the step and the logits of its sampling rows (None if there are none).
-        Every rank of a tensor-parallel model runs this with the same inputs."""
-        to = self.memory.from_numpy
-        ids = to(self.model.local_token_ids(inputs.input_ids))
-        hidden = self.forward(ids, to(inputs.positions), self.kv_caches, inputs.meta)
-        if not len(inputs.logit_rows):
+        Every rank of a tensor-parallel model runs this with the same inputs. ``eager``: the
+        model's own forward, not a hook's replacement."""
+        n, rows = len(inputs.input_ids), len(inputs.logit_rows)
+        # one upload for the three int64 arrays (a host-to-device copy costs ~10-30 us on a GPU)
+        packed = self.memory.from_numpy(np.concatenate(
+            [self.model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]))
+        forward = self.model.forward if eager else self.forward
+        hidden = forward(packed[:n], packed[n : 2 * n], self.kv_caches, inputs.meta)
+        if not rows:
             return None
-        return self.model.compute_logits(hidden, to(inputs.logit_rows))
+        return self.model.compute_logits(hidden, packed[2 * n :])
 
     def step(self, inputs: StepInputs, batch: SamplingBatch | None) -> SampleOutput | None:
         """``run``, then sample the logits with ``batch`` (a tensor-parallel rank other than 0

@@ -64,9 +64,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process(self, core_outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """Apply one step's outputs. Returns the outputs of requests that changed, and the
-        ``(request_id, index)`` sequences a stop string ended, which the core must abort."""
+    def process(self, core_outputs: list[CoreOutput],
+                final_only: bool = False) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply one step's outputs. Returns the outputs of requests that changed (with
+        ``final_only``, of requests that finished: a caller that waits for whole results skips
+        a snapshot per request per step), and the ``(request_id, index)`` sequences a stop
+        string ended, which the core must abort."""
         touched: dict[str, _Request] = {}
         to_abort: list[tuple[str, int]] = []
         for co in core_outputs:
@@ -94,8 +97,10 @@ class OutputProcessor:
             touched[co.request_id] = request
         results = []
         for rid, request in touched.items():
-            results.append(self._snapshot(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not final_only:
+                results.append(self._snapshot(request, finished))
+            if finished:
                 self.requests.pop(rid, None)
         return results, to_abort
 
@@ -108,7 +113,7 @@ class OutputProcessor:
         return entry
 
     @staticmethod
-    def _snapshot(request: _Request) -> RequestOutput:
+    def _snapshot(request: _Request, finished: bool | None = None) -> RequestOutput:
         outs = [
             CompletionOutput(
                 index=i, text=o.state.text, token_ids=list(o.state.output_token_ids),
@@ -118,5 +123,6 @@ class OutputProcessor:
             )
             for i, o in enumerate(request.outputs)
         ]
+        finished = request.finished if finished is None else finished
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             request.finished, request.num_cached_tokens)
+                             finished, request.num_cached_tokens)

@@ -64,6 +64,10 @@ class Sequence:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

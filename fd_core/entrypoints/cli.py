@@ -12,10 +12,14 @@ from fd_core.interfaces import API_VERSION
 
 
 def _platform_row(platform: Any) -> dict[str, Any]:
+    from fd_core.plugins.registry import platform_runtimes, runtime_installed
+
     ok, why = platform.is_available()
     row: dict[str, Any] = {
         "device_type": platform.device_type,
         "runtime": platform.runtime,
+        # every runtime it can run on (--runtime), the default first, and whether it is installed
+        "runtimes": {name: runtime_installed(name) for name in platform_runtimes(platform)},
         "available": ok,
         "devices": platform.device_count() if ok else 0,
     }
@@ -24,7 +28,21 @@ def _platform_row(platform: Any) -> dict[str, Any]:
     describe = getattr(platform, "describe_devices", None)
     if ok and describe is not None:
         row["device_names"] = describe()
-    row["capabilities"] = platform.capabilities().as_dict()
+    caps = platform.capabilities().as_dict()
+    row["capabilities"] = caps
+    # what another runtime changes in the manifest (e.g. its dtypes)
+    other: dict[str, dict[str, Any]] = {}
+    for name in list(row["runtimes"])[1:]:
+        try:
+            theirs = platform.with_runtime(name).capabilities().as_dict()
+        except Exception as exc:  # noqa: BLE001 - a report, not a start-up
+            other[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        changed = {k: v for k, v in theirs.items() if caps.get(k) != v}
+        if changed:
+            other[name] = changed
+    if other:
+        row["runtime_capabilities"] = other
     return row
 
 
@@ -56,20 +74,30 @@ def cmd_backends(args: argparse.Namespace) -> int:
             print(f"  device {name}: type {row['device_type']}, runtime {row['runtime']}, {state}")
             for dev in row.get("device_names", []):
                 print(f"    - {dev}")
+            runtimes = [f"{rt}{' (default)' if i == 0 else ''}{'' if installed else ' (not installed)'}"
+                        for i, (rt, installed) in enumerate(row["runtimes"].items())]
+            print(f"    runtimes: {', '.join(runtimes)}")
             caps = row["capabilities"]
             for key, value in caps.items():
                 shown = ", ".join(value) if isinstance(value, list) else value
                 print(f"    {key}: {shown if shown != '' else '-'}")
+            for rt, changed in row.get("runtime_capabilities", {}).items():
+                for key, value in changed.items():
+                    shown = ", ".join(value) if isinstance(value, list) else value
+                    print(f"    {key} (--runtime {rt}): {shown if shown != '' else '-'}")
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from fd_core.plugins import get_registry
+    from fd_core.plugins.registry import platform_runtimes
 
     registry = get_registry()
-    platform = registry.platform(args.device)
+    platform = registry.platform(args.device, args.runtime)
     table = registry.op_table(platform, {"dtype": args.dtype}, _pins(args.op))
-    print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime})")
+    others = [rt for rt in platform_runtimes(platform) if rt != platform.runtime]
+    also = f"; also runs on {', '.join(others)} (--runtime)" if others else ""
+    print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime}{also})")
     for op, impl, source, why in table.describe():
         print(f"  {op:<13} {impl:<20} {source:<16} {why}")
     return 0
@@ -81,6 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="a local .gguf file, model folder, or known name")
     p.add_argument("--device", default="auto", help="auto, cpu, or any installed backend (see fd backends)")
+    p.add_argument("--runtime", default=None,
+                   help="tensor library to run on, e.g. paddle or torch (default: the backend's; see fd backends)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -95,6 +125,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV-cache size in blocks")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps, mixed with decodes (default: on where supported)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -109,11 +141,13 @@ def engine_config(args: argparse.Namespace):
     from fd_core.engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=args.model, device=args.device, runtime=args.runtime, dtype=args.dtype,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
     )
@@ -185,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="show which implementation of each op a device would use")
     p.add_argument("--device", default="auto")
+    p.add_argument("--runtime", default=None, help="tensor library to run on (default: the backend's)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
     p.set_defaults(func=cmd_doctor)

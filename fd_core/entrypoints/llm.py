@@ -22,7 +22,8 @@ class LLM:
     """Load a model once and generate for many prompts together (continuous batching).
 
     Keyword arguments are :class:`~fd_core.engine.config.EngineConfig` fields
-    (``device``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    (``device``, ``runtime`` (e.g. ``"torch"`` on the CPU; default: the backend's),
+    ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``block_size``, ``num_kv_blocks``, ``kv_cache_memory_gb``, ``seed``, ``op_pins``...).
     """
 

@@ -8,7 +8,7 @@ it (and a type checker can check against it) without installing any accelerator 
 from fd_core.interfaces.capabilities import Capabilities
 from fd_core.interfaces.communicator import Communicator
 from fd_core.interfaces.memory import Memory
-from fd_core.interfaces.model_runner import ModelRunner, ModelRunnerHooks
+from fd_core.interfaces.model_runner import ModelRunner, ModelRunnerHooks, RunnerLimits
 from fd_core.interfaces.ops import (
     OP_SPECS,
     AttentionMetadata,
@@ -29,6 +29,7 @@ __all__ = [
     "Memory",
     "ModelRunner",
     "ModelRunnerHooks",
+    "RunnerLimits",
     "OpSpec",
     "Platform",
     "QuantizedWeight",

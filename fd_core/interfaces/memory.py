@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -78,4 +78,13 @@ class Memory(Protocol):
 
     def memory_info(self) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of the device; host RAM for the CPU."""
+        ...
+
+    # Since API 1.2, and needed only where Capabilities.memory_profiling is declared:
+
+    def profile(self, run: Callable[[], Any]) -> int:
+        """Call ``run()`` (a forward of the largest step the engine will schedule) and return
+        the most bytes it held on the device at once beyond what was allocated before it.
+        Afterwards memory the runtime cached but no longer uses is given back to the device,
+        so that ``memory_info`` counts only what stays allocated (weights, context)."""
         ...

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """The engine's bounds on a step, fixed at start-up: what a hook needs to size anything it
+    prepares ahead of time (e.g. one captured graph per decode batch size up to max_num_seqs)."""
+
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    block_size: int
 
 
 @runtime_checkable
@@ -24,6 +36,12 @@ class ModelRunner(Protocol):
 class ModelRunnerHooks(Protocol):
     """Optional chip-specific steps around the shared runner. Every method may be absent."""
 
-    def wrap_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        """Return a replacement for the model forward (e.g. one that replays captured graphs)."""
+    def wrap_forward(self, forward: Callable[..., Any], limits: RunnerLimits) -> Callable[..., Any]:
+        """Return a replacement for the model forward, same signature and results (e.g. one that
+        replays captured graphs). ``limits`` may be left out of the signature (API 1.0/1.1 hooks
+        take only ``forward``). Not called under ``--enforce-eager``.
+
+        The replacement may have a method ``warm_up(kv_caches, device)``, which the runner
+        calls once the KV cache is allocated, before the first step (e.g. to capture graphs
+        then rather than during the first requests)."""
         ...

@@ -89,9 +89,9 @@ class SamplingBatch:
     off) divides positive and multiplies negative logits of every token seen in the prompt or the
     output; ``frequency_penalty`` subtracts ``count_in_output * f``; ``presence_penalty`` subtracts
     ``p`` once for every token present in the output. ``suppress_token_ids[i]`` get ``-inf`` (used
-    for ``min_tokens``). Randomness is drawn from ``numpy.random.default_rng([seeds[i], steps[i]])``
-    only, so a seeded row gives the same token whatever else is in the batch. Seeds are
-    non-negative: ``default_rng`` refuses negative entropy.
+    for ``min_tokens``). Randomness is the counter-based noise of ``OP_SPECS["sample"]``, a
+    function of ``(seeds[i], steps[i], token id)`` only, so a seeded row gives the same token
+    whatever else is in the batch. Seeds are in ``[0, 2**63)``; a step enters by its low 32 bits.
     """
 
     temperature: np.ndarray  # float32 [S]
@@ -208,16 +208,37 @@ OP_SPECS: dict[str, OpSpec] = {
             In float32: raw logprobs = log_softmax(logits) (reported); then penalties,
             suppression, greedy rows take argmax; others divide by temperature, apply top-k, then
             top-p (smallest set whose probability reaches top_p, always at least one token), then
-            min-p (drop tokens below min_p * max prob), renormalise, and draw with the row's
-            generator: token = argmax(probs / Exponential(1) noise), the noise being
-            ``rng.exponential(size=V)`` from ``numpy.random.default_rng([seed, step])``.
+            min-p (drop tokens below min_p * max prob), renormalise, and draw:
+            token = argmax(probs / noise) (ties: lowest id), the Exponential(1) noise being
+            counter-based, a function of (seed, step, token id t) computed element-wise with
+            32-bit unsigned arithmetic (xor, shifts, multiplication mod 2**32) and one float32
+            log1p, so that every implementation (NumPy, torch, Paddle, a GPU kernel) computes
+            the same noise wherever it runs (``fd_core.testing.spec.sampling_noise``)::
+
+                fmix32(x)    = murmur3 finalizer: x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13;
+                               x *= 0xC2B2AE35; x ^= x >> 16
+                lowbias32(x) = x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B;
+                               x ^= x >> 16
+                lo, hi, st = seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF
+                key0  = fmix32(fmix32(fmix32(lo ^ 0x243F6A88) ^ hi) ^ st)
+                key1  = fmix32(fmix32(fmix32(st ^ 0x85A308D3) ^ lo) ^ hi)
+                h     = lowbias32(lowbias32(t ^ key0) ^ key1)
+                v     = min(max(float32(h >> 1), 1) * 2**-31, 1 - 2**-24)  # uniform in (0, 1)
+                noise = -log1p(-v)                                         # float32
+
+            All integer steps are exact (mod 2**32); ``float32(h >> 1)`` rounds to nearest even
+            (exact below 2**24), and the scaling, ``max`` and ``min`` are exact. Only ``log1p``
+            may differ in its last ulps between implementations (and exp, sums and divisions
+            round differently in kernels), so two conforming implementations can disagree only
+            where two tokens' probs / noise are within a few ulps of each other, or where a top-p
+            or min-p boundary falls within rounding of a token: near-exact ties.
 
             Details, chosen as vLLM does where it has a rule: penalties and suppression apply to
             every row, greedy ones included, and greedy takes the argmax of the resulting logits
             (ties: lowest id). Top-k keeps every token at least as likely as the k-th (ties at the
             edge stay). Top-p keeps tokens, most likely first, while the mass before them is below
             top_p, widened to every token tied with the last one kept. Min-p drops tokens strictly
-            below min_p * max prob. The noise is cast to float32 before the division. ``ranks``
+            below min_p * max prob. The noise is float32 before the division. ``ranks``
             counts the tokens whose raw logit is >= the sampled one's, so ties share the worse
             rank (vLLM's count); ``top_ids`` ties go to the lower id.
             """,

@@ -16,8 +16,9 @@ class Platform(Protocol):
 
     ``name`` is what users type after ``--device``; ``device_type`` keys op registration (two
     platforms may share one device type, e.g. a vendor fork of cuda); ``runtime`` names the
-    tensor library (``"paddle"``, ``"torch"``) whose reference ops back any op the backend does
-    not implement itself.
+    tensor library (``"paddle"``, ``"torch"``) this platform object runs on: its Memory and
+    Communicator are that library's, and its reference ops back any op the backend does not
+    implement itself.
     """
 
     name: str
@@ -26,6 +27,17 @@ class Platform(Protocol):
     # Optional (API 1.1): the step token budget this chip wants when the user gives none,
     # e.g. a slow device picks a small one so a long prefill does not stall streams for long.
     # default_max_num_batched_tokens: int
+    #
+    # Optional (API 1.2): a platform that can run on more than one runtime lists them,
+    # ``runtimes = ("paddle", "torch")``, its default (``runtime``) first; absent means
+    # ``(runtime,)``. It then also implements ``with_runtime(name) -> Platform``: a copy bound
+    # to ``name`` (``runtime == name``), whose ``memory``, ``communicator`` and
+    # ``capabilities`` are those of that runtime. The engine calls it once at start-up when
+    # the user asks for another runtime (``--runtime``), and every tensor-parallel rank does
+    # the same. Op implementations tied to one runtime say so when registered
+    # (``registry.register(..., runtime="paddle")``).
+    # runtimes: tuple[str, ...]
+    # def with_runtime(self, name: str) -> "Platform": ...
 
     def is_available(self) -> tuple[bool, str]:
         """Whether at least one device can be used now; if not, one sentence saying why."""

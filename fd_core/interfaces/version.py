@@ -1,9 +1,18 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.1.0"
+API_VERSION = "1.2.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
+# 1.2: Platform.runtimes / Platform.with_runtime (optional: a platform on several runtimes,
+#      chosen with --runtime); OpRegistry.register(..., runtime=...) ties an implementation to
+#      one runtime's tensors; OpRegistry.use_reference(device_type, runtime) adopts a runtime's
+#      reference ops as the backend's own. And sample's noise is counter-based
+#      (fd_core.testing.spec.sampling_noise: a 32-bit integer hash of seed, step and token id,
+#      computable element-wise on a device) instead of numpy.random.default_rng([seed, step]);
+#      a seeded request draws other tokens than under 1.1. Memory.profile (where
+#      Capabilities.memory_profiling is declared: --gpu-memory-utilization);
+#      ModelRunnerHooks.wrap_forward(forward, limits) and the replacement's warm_up
 
 
 def _parse(version: str) -> tuple[int, int, int]:

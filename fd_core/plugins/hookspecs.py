@@ -28,5 +28,7 @@ def fd_register_ops(registry: "OpRegistry") -> None:  # type: ignore[name-define
     """Register op implementations with ``registry.register(...)``.
 
     Any package may do this, including one that adds a faster kernel for a chip whose platform
-    lives in another package.
+    lives in another package. An implementation that takes one runtime's tensors says which
+    (``runtime="torch"``, API 1.2); ``registry.use_reference(device_type, runtime)`` adopts a
+    runtime's reference ops as the package's own without importing that runtime here.
     """

@@ -27,6 +27,7 @@ class OpImpl:
     priority: int = 0
     supports: Supports = _always
     source: str = ""  # the package that registered it
+    runtime: str | None = None  # the runtime whose tensors ``fn`` takes; None: any runtime
 
     def accepts(self, context: Mapping[str, Any]) -> tuple[bool, str]:
         try:
@@ -44,15 +45,21 @@ class Choice:
 
 
 class OpRegistry:
-    """Every implementation any plugin registered, keyed by ``(op, device_type)``.
+    """Every implementation any plugin registered, keyed by ``(op, device_type)``; each may be
+    tied to one runtime (the tensor library whose tensors it takes), and is then a candidate
+    only when the engine runs on that runtime.
 
     A runtime's reference ops are kept apart, keyed by runtime name: they are the fallback for
-    any device that runtime can address.
+    any device that runtime can address. A backend whose own implementation on some runtime
+    *is* that runtime's reference says so with ``use_reference``, so it is chosen like a
+    registered op (no fallback warning) without importing the runtime at registration.
     """
 
     def __init__(self) -> None:
         self._impls: dict[tuple[str, str], list[OpImpl]] = {}
         self._references: dict[str, dict[str, Callable[..., Any]]] = {}
+        # (device_type, runtime) -> (name, priority, source) of an adopted reference table
+        self._adopted: dict[tuple[str, str], tuple[str, int, str]] = {}
         self._current_source = ""
 
     def register(
@@ -64,11 +71,22 @@ class OpRegistry:
         name: str,
         priority: int = 0,
         supports: Supports | None = None,
+        runtime: str | None = None,
     ) -> None:
+        """Register ``fn`` for ``op`` on ``device_type``. ``runtime`` (API 1.2) names the
+        runtime whose tensors ``fn`` takes (``"paddle"``, ``"torch"``); it is then chosen only
+        when the engine runs on that runtime. None: any runtime the device type runs on."""
         if op not in OP_SPECS:
             raise ValueError(f"unknown op {op!r}; the contract defines {sorted(OP_SPECS)}")
-        impl = OpImpl(op, device_type, name, fn, priority, supports or _always, self._current_source)
+        impl = OpImpl(op, device_type, name, fn, priority, supports or _always, self._current_source, runtime)
         self._impls.setdefault((op, device_type), []).append(impl)
+
+    def use_reference(self, device_type: str, runtime: str, *, name: str = "reference", priority: int = 0) -> None:
+        """Declare ``runtime``'s reference ops the registering package's own implementation of
+        every op on ``device_type`` under that runtime (API 1.2): they are chosen like ops
+        registered at ``priority`` (no fallback warning, ``fd doctor`` names the package), and
+        the runtime is imported only when an engine selects it."""
+        self._adopted[(device_type, runtime)] = (name, priority, self._current_source)
 
     def register_reference(self, runtime: str, table: Mapping[str, Callable[..., Any]]) -> None:
         unknown = set(table) - set(OP_SPECS)
@@ -76,8 +94,12 @@ class OpRegistry:
             raise ValueError(f"unknown ops in the {runtime} reference table: {sorted(unknown)}")
         self._references[runtime] = dict(table)
 
-    def implementations(self, op: str, device_type: str) -> list[OpImpl]:
-        return sorted(self._impls.get((op, device_type), []), key=lambda i: -i.priority)
+    def implementations(self, op: str, device_type: str, runtime: str | None = None) -> list[OpImpl]:
+        """Highest priority first; with ``runtime``, only those usable on it."""
+        impls = self._impls.get((op, device_type), [])
+        if runtime is not None:
+            impls = [i for i in impls if i.runtime in (None, runtime)]
+        return sorted(impls, key=lambda i: -i.priority)
 
     def select(
         self,
@@ -86,19 +108,27 @@ class OpRegistry:
         context: Mapping[str, Any] | None = None,
         pins: Mapping[str, str] | None = None,
     ) -> "OpTable":
-        """Choose one implementation per op: the pinned one, else the highest-priority one whose
-        ``supports(**context)`` accepts, else the runtime's reference (with a warning)."""
+        """Choose one implementation per op among those usable on ``runtime``: the pinned one,
+        else the highest-priority one whose ``supports(**context)`` accepts, else the
+        runtime's reference (with a warning)."""
         context = dict(context or {})
         pins = dict(pins or {})
         unknown = set(pins) - set(OP_SPECS)
         if unknown:
             raise ConfigError(f"--op names unknown ops {sorted(unknown)}; known: {sorted(OP_SPECS)}")
         reference = self._references.get(runtime, {})
+        adopted = self._adopted.get((device_type, runtime))
         choices: dict[str, Choice] = {}
         for op in OP_SPECS:
-            candidates = self.implementations(op, device_type)
+            candidates = self.implementations(op, device_type, runtime)
+            if adopted is not None and op in reference:
+                name, priority, source = adopted
+                candidates = sorted(
+                    candidates + [OpImpl(op, device_type, name, reference[op], priority, _always, source, runtime)],
+                    key=lambda i: -i.priority,
+                )
             ref_impl = (
-                OpImpl(op, device_type, "reference", reference[op], -(10**9), _always, runtime)
+                OpImpl(op, device_type, "reference", reference[op], -(10**9), _always, runtime, runtime)
                 if op in reference
                 else None
             )
@@ -110,7 +140,7 @@ class OpRegistry:
                     names = sorted({c.name for c in pool})
                     raise ConfigError(
                         f"--op {op}={wanted}: no implementation named {wanted!r} for device "
-                        f"type {device_type!r}; available: {names}"
+                        f"type {device_type!r} on the {runtime} runtime; available: {names}"
                     )
                 choices[op] = Choice(op, match[0], "pinned by the user")
                 continue
@@ -118,7 +148,8 @@ class OpRegistry:
             for impl in candidates:
                 ok, why = impl.accepts(context)
                 if ok:
-                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config")
+                    tied = f", for the {impl.runtime} runtime" if impl.runtime else ""
+                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config{tied}")
                     break
                 declined.append(f"{impl.name}: {why}")
             else:

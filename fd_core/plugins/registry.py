@@ -4,6 +4,7 @@ report of every backend that failed to load and why."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 import pluggy
 
-from fd_core.errors import BackendError
+from fd_core.errors import BackendError, ConfigError
 from fd_core.interfaces import API_VERSION, Platform, is_compatible
 from fd_core.plugins import hookspecs
 from fd_core.plugins.ops import OpRegistry
@@ -24,6 +25,58 @@ ALLOWLIST_ENV = "FD_BACKENDS"
 
 # Runtimes ship inside fd-core; a backend names one by key, or by module path for its own.
 RUNTIMES = {"paddle": "fd_core.runtimes.paddle", "torch": "fd_core.runtimes.torch"}
+# The tensor library behind each built-in runtime, and how to install it.
+_LIBRARIES = {"paddle": ("paddle", "pip install paddlepaddle"), "torch": ("torch", "pip install 'fd-core[torch]'")}
+
+
+def platform_runtimes(platform: Platform) -> tuple[str, ...]:
+    """The runtimes ``platform`` can run on, its current one first (API 1.2 ``runtimes``;
+    a platform without it runs on its ``runtime`` only)."""
+    listed = tuple(getattr(platform, "runtimes", None) or ())
+    return (platform.runtime,) + tuple(r for r in listed if r != platform.runtime)
+
+
+def runtime_installed(runtime: str) -> bool:
+    """Whether the runtime's tensor library can be found, without importing it (fast: for
+    ``fd backends``; ``bind_runtime`` imports it for real)."""
+    library = _LIBRARIES.get(runtime, (runtime.split(".")[0], ""))[0]
+    try:
+        return importlib.util.find_spec(library) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_runtime(runtime: str, flag: str = "") -> Any:
+    """The runtime's module, or a BackendError (starting with ``flag``) saying why it cannot be
+    imported."""
+    try:
+        return importlib.import_module(RUNTIMES.get(runtime, runtime))
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a native library that fails to load
+        hint = _LIBRARIES.get(runtime, (None, ""))[1]
+        raise BackendError(
+            f"{flag}the {runtime} runtime cannot be imported ({type(exc).__name__}: {exc})"
+            + (f"; install it with {hint}" if hint else "")
+        ) from None
+
+
+def bind_runtime(platform: Platform, runtime: str | None) -> Platform:
+    """``platform`` running on ``runtime`` (``--runtime``; None: the platform as it is, on its
+    default runtime). A runtime the platform does not list is a ConfigError naming the flag,
+    the backend and what it supports; one that is not installed is a BackendError."""
+    if runtime is None:
+        return platform
+    supported = platform_runtimes(platform)
+    if runtime not in supported:
+        raise ConfigError(
+            f"--runtime {runtime}: the {platform.name} backend runs on {', '.join(supported)}"
+        )
+    import_runtime(runtime, flag=f"--runtime {runtime}: ")
+    if runtime == platform.runtime:
+        return platform
+    bound = platform.with_runtime(runtime)  # type: ignore[attr-defined]
+    if bound.runtime != runtime:
+        raise BackendError(f"--runtime {runtime}: the {platform.name} backend bound itself to {bound.runtime}")
+    return bound
 
 
 @dataclass
@@ -133,22 +186,26 @@ class BackendRegistry:
     def failures(self) -> list[BackendRecord]:
         return [r for r in self.records if not r.loaded]
 
-    def platform(self, device: str = "auto") -> Platform:
+    def platform(self, device: str = "auto", runtime: str | None = None) -> Platform:
         """Resolve ``--device``: a platform name, or ``auto`` (the first available accelerator,
-        else cpu). The error names what is installed, what is available and what failed."""
+        else cpu; with ``runtime``, the first that runs on it). The error names what is
+        installed, what is available and what failed. With ``runtime`` (``--runtime``) the
+        platform is bound to it (``bind_runtime``)."""
         platforms = self.platforms()
         if device == "auto":
             usable = [p for p in platforms if p.is_available()[0]]
+            if runtime is not None:  # prefer a platform that runs on the asked runtime
+                usable = [p for p in usable if runtime in platform_runtimes(p)] or usable
             accel = [p for p in usable if p.name != "cpu"]
             if accel or usable:
-                return (accel or usable)[0]
+                return bind_runtime((accel or usable)[0], runtime)
             raise BackendError("no usable backend: " + self._summary())
         for p in platforms:
             if p.name == device:
                 ok, why = p.is_available()
                 if not ok:
                     raise BackendError(f"--device {device}: the backend is installed but unusable: {why}")
-                return p
+                return bind_runtime(p, runtime)
         failed = [r for r in self.failures() if r.name == device]
         if failed:
             raise BackendError(f"--device {device}: the backend failed to load: {failed[0].error}")
@@ -162,8 +219,7 @@ class BackendRegistry:
         return text
 
     def reference_ops(self, runtime: str) -> dict[str, Callable[..., Any]]:
-        module = importlib.import_module(RUNTIMES.get(runtime, runtime))
-        return dict(module.REFERENCE_OPS)
+        return dict(import_runtime(runtime).REFERENCE_OPS)
 
     def op_table(self, platform: Platform, context: dict[str, Any] | None = None,
                  pins: dict[str, str] | None = None):

@@ -3,9 +3,10 @@
 What a reference op works out on the host before its tensor math is the same whatever the
 tensors are: the per-step attention plan (which cache rows each group of queries reads, under
 what mask, and in what order the outputs come back), MoE's grouping of (token, slot) pairs by
-expert, and ``sample``'s flat token ids, per-row noise and tie rule. It lives here once; a
-runtime (``fd_core.runtimes.paddle``, ``fd_core.runtimes.torch``) uploads the arrays to its
-device, in the layout its kernels like best, and runs the math. Nothing here imports a tensor
+expert, and ``sample``'s flat token ids, per-row noise (the contract's counter-based noise,
+defined in ``fd_core.testing.spec``) and tie rule. It lives here once; a runtime
+(``fd_core.runtimes.paddle``, ``fd_core.runtimes.torch``) uploads the arrays to its device, in
+the layout its kernels like best, and runs the math. Nothing here imports a tensor
 library.
 """
 
@@ -18,6 +19,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from fd_core.interfaces.ops import AttentionMetadata, SamplingBatch
+from fd_core.testing import spec
 
 A = TypeVar("A")  # what the plan's arrays are: np.ndarray on the host, a runtime's tensor after
 B = TypeVar("B")
@@ -276,17 +278,19 @@ def suppressed(batch: SamplingBatch, vocab: int) -> np.ndarray:
     return np.unique(flat_ids(batch.suppress_token_ids, vocab))
 
 
+def noise_keys(batch: SamplingBatch, rows: np.ndarray) -> np.ndarray:
+    """The ``rows``' two noise key words (``spec.sampling_keys``) as int64 ``[len(rows), 2]``, for
+    a runtime or kernel that computes the per-token part of the noise on its device."""
+    key0, key1 = spec.sampling_keys(batch.seeds[rows], batch.steps[rows])
+    return np.stack([key0, key1], axis=1).astype(np.int64)
+
+
 def noise(batch: SamplingBatch, rows: np.ndarray, vocab: int) -> np.ndarray:
-    """Each row's Exponential(1) noise from its own generator: the contract draws it on the host
-    with NumPy, which is what makes a seeded row reproducible across runtimes and batches."""
-    return np.stack(
-        [
-            np.random.default_rng([int(batch.seeds[i]), int(batch.steps[i])])
-            .exponential(size=vocab)
-            .astype(np.float32)
-            for i in rows
-        ]
-    )
+    """The ``rows``' float32 Exponential(1) noise ``[len(rows), vocab]``: the contract's
+    counter-based noise (``fd_core.testing.spec.sampling_noise``), a function of each row's seed,
+    step and token id alone, which is what makes a seeded row reproducible across runtimes and
+    batches."""
+    return spec.sampling_noise(batch.seeds[rows], batch.steps[rows], vocab)
 
 
 def top_k_ties_unresolved(values: np.ndarray, at_least_last: np.ndarray) -> bool:

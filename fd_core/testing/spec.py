@@ -187,6 +187,82 @@ def moe(
     return out.astype(x.dtype)
 
 
+# --- sampling noise ----------------------------------------------------------------------------
+#
+# Counter-based: the noise of token ``t`` in a row is a pure function of (seed, step, t) built from
+# 32-bit unsigned xor, shifts and multiplications mod 2**32, so NumPy, torch (int64 masked to 32
+# bits), Paddle and a GPU kernel all compute the same bits, element by element, with no
+# generator state. Only the final float32 ``log1p`` may differ in its last ulps.
+
+_U32 = np.uint32
+
+
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer (a bijection of uint32), for the per-row keys."""
+    x = x ^ (x >> _U32(16))
+    x = x * _U32(0x85EBCA6B)
+    x = x ^ (x >> _U32(13))
+    x = x * _U32(0xC2B2AE35)
+    return x ^ (x >> _U32(16))
+
+
+def _lowbias32(x: np.ndarray) -> np.ndarray:
+    """Wellons' "lowbias32" integer hash (a bijection of uint32), for the per-token mix."""
+    x = x ^ (x >> _U32(16))
+    x = x * _U32(0x7FEB352D)
+    x = x ^ (x >> _U32(15))
+    x = x * _U32(0x846CA68B)
+    return x ^ (x >> _U32(16))
+
+
+def sampling_keys(seeds: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two uint32 key words of each row's noise, from its int64 seed (``0 <= seed < 2**63``)
+    and step (its low 32 bits)::
+
+        lo, hi, st = seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF
+        key0 = fmix32(fmix32(fmix32(lo ^ 0x243F6A88) ^ hi) ^ st)
+        key1 = fmix32(fmix32(fmix32(st ^ 0x85A308D3) ^ lo) ^ hi)
+    """
+    seeds = np.asarray(seeds, dtype=np.int64)
+    steps = np.asarray(steps, dtype=np.int64)
+    lo = (seeds & 0xFFFFFFFF).astype(_U32)
+    hi = ((seeds >> 32) & 0xFFFFFFFF).astype(_U32)
+    st = (steps & 0xFFFFFFFF).astype(_U32)
+    key0 = _fmix32(_fmix32(_fmix32(lo ^ _U32(0x243F6A88)) ^ hi) ^ st)
+    key1 = _fmix32(_fmix32(_fmix32(st ^ _U32(0x85A308D3)) ^ lo) ^ hi)
+    return key0, key1
+
+
+def counter_noise(key0: np.ndarray, key1: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """The Exponential(1) noise of ``token_ids`` under the keys (arrays broadcast together)::
+
+        h = lowbias32(lowbias32(t ^ key0) ^ key1)
+        v = min(max(float32(h >> 1), 1) * 2**-31, 1 - 2**-24)     # uniform in (0, 1)
+        noise = -log1p(-v)                                           # in float32
+
+    ``float32(h >> 1)`` rounds to nearest (exact below 2**24); ``max``/``min`` keep ``v`` strictly
+    inside (0, 1), so the noise is finite and positive. Small noise, which is what wins the race
+    for unlikely tokens, keeps the hash's full 31-bit resolution (``-log(u)`` of a float32 ``u``
+    near 1 would round it to multiples of 2**-24).
+    """
+    h = _lowbias32(_lowbias32(np.asarray(token_ids).astype(_U32) ^ key0) ^ key1)
+    f = (h >> _U32(1)).astype(np.int32).astype(np.float32)
+    v = np.minimum(np.maximum(f, np.float32(1)) * np.float32(2.0**-31), np.float32(1 - 2.0**-24))
+    return -np.log1p(-v)
+
+
+def sampling_noise(seeds: np.ndarray, steps: np.ndarray, vocab: int) -> np.ndarray:
+    """Float32 ``[S, vocab]``: row ``i`` is ``counter_noise`` of tokens ``0..vocab-1`` under
+    ``sampling_keys(seeds, steps)[:, i]``. Computed a few rows at a time, which keeps the
+    temporaries in cache (several times faster at a 100k vocabulary)."""
+    key0, key1 = sampling_keys(seeds, steps)
+    ids = np.arange(vocab, dtype=_U32)[None, :]
+    out = np.empty((len(key0), vocab), dtype=np.float32)
+    for i in range(0, len(key0), 8):
+        out[i : i + 8] = counter_noise(key0[i : i + 8, None], key1[i : i + 8, None], ids)
+    return out
+
+
 def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """Repetition, then frequency and presence penalties, as vLLM applies them."""
     out = logits.astype(np.float32).copy()
@@ -235,11 +311,12 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
     """Token choice, then the raw logprob, rank and top logprobs of each row.
 
     A non-greedy row draws ``token = argmax(probs / noise)`` with
-    ``noise = numpy.random.default_rng([seed, step]).exponential(size=V)`` cast to float32: the
-    exponential race, which picks token ``t`` with probability ``probs[t]``. The rank of the sampled
-    token is the number of tokens whose raw logprob is at least its own (vLLM's count, so ties
-    share the worse rank), counted on the raw float32 logits, which have the same order without the
-    rounding of the log-softmax. ``top_ids`` ties go to the lower id.
+    ``noise = sampling_noise([seed], [step], V)[0]``, float32 Exponential(1) noise that is a
+    function of (seed, step, token id) alone: the exponential race, which picks token ``t`` with
+    probability ``probs[t]`` (ties: lowest id). The rank of the sampled token is the number of
+    tokens whose raw logprob is at least its own (vLLM's count, so ties share the worse rank),
+    counted on the raw float32 logits, which have the same order without the rounding of the
+    log-softmax. ``top_ids`` ties go to the lower id.
     """
     scores = logits.astype(np.float32)
     raw = _log_softmax(scores).astype(np.float32)
@@ -260,8 +337,7 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
             float(batch.top_p[i]),
             float(batch.min_p[i]),
         )
-        rng = np.random.default_rng([int(batch.seeds[i]), int(batch.steps[i])])
-        noise = rng.exponential(size=vocab).astype(np.float32)
+        noise = sampling_noise(batch.seeds[i : i + 1], batch.steps[i : i + 1], vocab)[0]
         tokens[i] = np.argmax(probs / noise)
 
     rows = np.arange(num_rows)

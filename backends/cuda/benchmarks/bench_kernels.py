@@ -1,8 +1,8 @@
 """Rough GPU timings of the CUDA backend's Triton kernels (needs a CUDA device).
 
-    python backends/cuda/benchmarks/bench_kernels.py
+    python backends/cuda/benchmarks/bench_kernels.py [sample]
 
-Prints time per call and achieved bandwidth (memory-bound kernels, decode) or TFLOP/s
+(``sample``: the sampler alone). Prints time per call and achieved bandwidth (memory-bound kernels, decode) or TFLOP/s
 (prefill), with torch's own kernels alongside where torch has an equivalent.
 """
 
@@ -19,10 +19,13 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from fd_core.interfaces.ops import AttentionMetadata
+from fd_core.interfaces.ops import AttentionMetadata, SamplingBatch
+from fd_core.runtimes import host_plan
+from fd_core.runtimes.torch import ops as torch_ops
 
 from fd_backend_cuda import ops
 from fd_backend_cuda.kernels.attention import paged_attention
+from fd_backend_cuda.kernels.sampling import draw
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -98,8 +101,63 @@ def bench_sdpa_prefill(n, hq=32, hk=8, d=128) -> None:
     )
 
 
+def sampling_batch(rows: int, temperature: float, top_k: int, top_p: float) -> SamplingBatch:
+    def col(value, dtype):
+        return np.full(rows, value, dtype=dtype)
+
+    empty = [np.zeros(0, dtype=np.int64)] * rows
+    return SamplingBatch(
+        temperature=col(temperature, np.float32),
+        top_p=col(top_p, np.float32),
+        top_k=col(top_k, np.int64),
+        min_p=col(0.0, np.float32),
+        presence_penalty=col(0.0, np.float32),
+        frequency_penalty=col(0.0, np.float32),
+        repetition_penalty=col(1.0, np.float32),
+        seeds=np.arange(rows, dtype=np.int64),
+        steps=col(17, np.int64),
+        prompt_token_ids=empty,
+        output_token_ids=empty,
+        suppress_token_ids=empty,
+    )
+
+
+def bench_sample(rows: int = 128, vocab: int = 103424) -> None:
+    """The ``sample`` op on one decode step's float32 logits: the Triton sampler (whole op, and
+    its kernel alone) against the torch reference (whole op). Logits look like a model's: a few
+    tokens far ahead of a Gaussian tail, so the top-p nucleus is small."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=DEV, generator=g) * 2
+    head = torch.randint(0, vocab, (rows, 20), device=DEV, generator=g)
+    logits.scatter_(1, head, 6 + 6 * torch.rand(rows, 20, device=DEV, generator=g))
+    mixes = {
+        "greedy": (0.0, 0, 1.0),
+        "temperature 1": (1.0, 0, 1.0),
+        "top-p 0.9": (1.0, 0, 0.9),
+        "top-k 50 + top-p 0.95": (0.8, 50, 0.95),
+    }
+    for name, params in mixes.items():
+        batch = sampling_batch(rows, *params)
+        top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
+        keys = host_plan.noise_keys(batch, np.arange(rows))
+        title = f"sample {rows}x{vocab} {name}"
+        t = ms(lambda b=batch: ops.sample(logits, b))
+        line(f"{title}: triton op", t, f"{rows * vocab * 4 / t / 1e6:7.0f} GB/s (one read)")
+        t = ms(
+            lambda b=batch, k=top_k, s=keys: draw(
+                logits, logits, b.temperature, k, b.top_p, b.min_p, s
+            )
+        )
+        line(f"{title}:   kernel only", t, "")
+        t = ms(lambda b=batch: torch_ops.sample(logits, b))
+        line(f"{title}: torch reference", t, "")
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if sys.argv[1:] == ["sample"]:
+        bench_sample()
+        return
     x = torch.randn(4096, 4096, device=DEV, dtype=BF16)
     r = torch.randn_like(x)
     w = torch.randn(4096, device=DEV, dtype=BF16)
@@ -139,6 +197,7 @@ def main() -> None:
     bench_attention("prefill chunk 2048 over ctx 6144", [(6144, 2048)])
     bench_attention("mixed: 2048-chunk + 64 decodes ctx 2048", [(0, 2048)] + [(2048, 1)] * 64)
     bench_sdpa_prefill(4096)
+    bench_sample()
 
 
 if __name__ == "__main__":

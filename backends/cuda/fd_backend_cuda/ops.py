@@ -13,6 +13,11 @@ every op not listed in ``OPS``, to the reference implementation.
   q: math is then float32); head_dim up to 256 (a power of two is the fast path; others are
   padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
   step into ``meta.device``.
+* ``sample``: logits in float32, float16 or bfloat16 (math in float32), any vocabulary size; the
+  token choice (greedy, temperature, top-k, top-p, min-p, the counter-based noise) and the raw
+  logprob and rank in one Triton program per row without sorting; penalties and suppression
+  through the torch reference's helpers, top logprobs with ``torch.topk``; one device-to-host
+  copy.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from fd_core.interfaces.ops import AttentionMetadata
+from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatch
 
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
 from fd_backend_cuda.kernels.rms_norm import rms_norm as _rms_norm
 from fd_backend_cuda.kernels.rotary import rotary as _rotary
+from fd_backend_cuda.kernels.sampling import sample as _sample
 
 Tensor = torch.Tensor
 
@@ -47,6 +53,10 @@ SUPPORTED: dict[str, dict] = {
         "dtypes": FLOAT_DTYPES,
         "max_head_dim": MAX_HEAD_DIM,
         "note": "head_dim <= 256 (power of two: no padding); any block_size; Hq % Hk == 0",
+    },
+    "sample": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "any V; top-k/top-p by threshold search (no sort); math in float32",
     },
 }
 
@@ -89,9 +99,14 @@ def attention(
     return _paged_attention(q, k, v, kv_cache, meta, scale)
 
 
+def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
+    return _sample(logits, batch)
+
+
 OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotary": rotary,
     "silu_and_mul": silu_and_mul,
     "attention": attention,
+    "sample": sample,
 }

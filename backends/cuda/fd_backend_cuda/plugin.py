@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.1"
+FD_API_VERSION = "1.2"  # its sample op draws with 1.2's counter-based noise
 
 
 @hookimpl
@@ -30,4 +30,8 @@ def fd_register_ops(registry):
         return check
 
     for op, fn in ops.OPS.items():
-        registry.register(op, "cuda", fn, name=f"triton-{op}", priority=10, supports=supports_for(op))
+        registry.register(op, "cuda", fn, name=f"triton-{op}", priority=10, supports=supports_for(op),
+                          runtime="torch")
+    # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
+    # kernels (cuBLAS for the matmuls), not a fallback.
+    registry.use_reference("cuda", "torch")

@@ -323,7 +323,8 @@ def test_attention_split_k(scenario, num_splits, dtype):
 
 def test_split_k_heuristic():
     assert _choose_splits(programs=8, max_keys=8192, num_sms=132) == 32
-    assert _choose_splits(programs=64, max_keys=2048, num_sms=132) == 5
+    assert _choose_splits(programs=64, max_keys=2048, num_sms=132) == 4  # 5 wanted: a power of two
+    assert _choose_splits(programs=16, max_keys=8192, num_sms=132) == 16  # 17 wanted
     assert _choose_splits(programs=64, max_keys=400, num_sms=132) == 1  # too short to split
     assert _choose_splits(programs=264, max_keys=8192, num_sms=132) == 1  # a full wave already
 
@@ -403,4 +404,4 @@ def test_supports():
     assert not ops.supports("attention", torch.float16, 512)
     assert not ops.supports("rms_norm", torch.int32)
     assert not ops.supports("moe")
-    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention"}
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample"}

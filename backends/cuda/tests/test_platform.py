@@ -9,16 +9,6 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    pytest.importorskip("transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from tests import checkpoints
-
-    return checkpoints.make_llama(tmp_path_factory.mktemp("cuda"))
-
-
 def test_cuda_is_discovered_with_honest_capabilities():
     from fd_core.plugins import get_registry
 
@@ -35,9 +25,8 @@ def test_greedy_tokens_are_transformers_argmax_on_the_gpu(llama):
     is its argmax at that position. Teacher forcing, because transformers' own generate() decodes
     with a different kernel mix and, on a random-weight model whose top two logits can be 5e-5
     apart, its incremental path itself drifts from its full forward."""
-    from transformers import AutoModelForCausalLM
-
     from fd_core import LLM, SamplingParams
+    from transformers import AutoModelForCausalLM
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 400, size=int(rng.integers(4, 40))).tolist() for _ in range(8)]

@@ -1,4 +1,4 @@
-"""The built-in CPU backend: PaddlePaddle on the host.
+"""The built-in CPU backend: PaddlePaddle on the host, or PyTorch (``--runtime torch``).
 
 Registered through fd-core's own ``fd.backends`` entry point, exactly like an external backend,
 so the discovery path every vendor relies on is exercised by the default install.
@@ -11,18 +11,32 @@ import os
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.1"
+FD_API_VERSION = "1.2"
 
 
 class CpuPlatform:
+    """The host's cores. Runs on Paddle (the default) or on PyTorch's CPU build
+    (``with_runtime("torch")``): Memory, Communicator (gloo either way) and dtypes follow the
+    runtime; the op implementations are that runtime's reference ops."""
+
     name = "cpu"
     device_type = "cpu"
     runtime = "paddle"
+    runtimes = ("paddle", "torch")
     # A step's length bounds the gap between a stream's tokens, and a 2-core host computes
     # roughly 100-150 prompt tokens/s: 256 keeps that gap at 2-4 s while a long prompt
     # prefills (2048 makes it ~26 s) for ~5% more prefill time (docs/PERFORMANCE.md,
     # "Scheduling").
     default_max_num_batched_tokens = 256
+
+    def __init__(self, runtime: str | None = None) -> None:
+        if runtime is not None:
+            if runtime not in self.runtimes:
+                raise ValueError(f"the cpu platform runs on {', '.join(self.runtimes)}, not {runtime!r}")
+            self.runtime = runtime
+
+    def with_runtime(self, name: str) -> "CpuPlatform":
+        return type(self)(name)
 
     def is_available(self) -> tuple[bool, str]:
         return True, ""
@@ -32,10 +46,14 @@ class CpuPlatform:
         return os.cpu_count() or 1
 
     def capabilities(self) -> Capabilities:
+        # PyTorch's reference ops keep a half dtype's tensors and KV cache in it (and compute
+        # norms, softmax and sampling in float32), so torch offers bfloat16; Paddle's CPU path
+        # is float32 only.
+        dtypes = frozenset({"float32", "bfloat16"} if self.runtime == "torch" else {"float32"})
         return Capabilities(
-            dtypes=frozenset({"float32"}),
+            dtypes=dtypes,
             quantization=frozenset(),
-            kv_cache_dtypes=frozenset({"float32"}),
+            kv_cache_dtypes=dtypes,
             graph_capture=False,
             prefix_caching=True,
             chunked_prefill=True,
@@ -47,11 +65,22 @@ class CpuPlatform:
         )
 
     def memory(self, device_index: int = 0):
+        if self.runtime == "torch":
+            from fd_core.runtimes.torch import TorchMemory
+
+            return TorchMemory("cpu")
         from fd_core.runtimes.paddle import PaddleMemory
 
         return PaddleMemory("cpu")
 
     def communicator(self, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
+        if self.runtime == "torch":
+            from fd_core.runtimes.torch import TorchCommunicator
+            from fd_core.runtimes.torch import init_process_group as init_torch
+
+            if world_size > 1:
+                init_torch(rank, world_size, rendezvous, backend="gloo")
+            return TorchCommunicator(rank=rank, world_size=world_size)
         from fd_core.runtimes.paddle import PaddleCommunicator, init_process_group
 
         if world_size > 1:
@@ -72,9 +101,9 @@ def fd_platforms():
 
 @hookimpl
 def fd_register_ops(registry):
-    # The Paddle reference ops are this backend's implementation, not a fallback: register
-    # them under the cpu device type so no fallback warning fires for the default install.
-    from fd_core.runtimes.paddle import REFERENCE_OPS
-
-    for op, fn in REFERENCE_OPS.items():
-        registry.register(op, "cpu", fn, name="reference", priority=0)
+    # A runtime's reference ops are this backend's implementation, not a fallback: adopt them
+    # under the cpu device type so no fallback warning fires. Neither library is imported
+    # here: each is imported only when an engine runs the cpu platform on it, so a machine
+    # without Paddle (a GPU host with torch, say) still has `--device cpu --runtime torch`.
+    registry.use_reference("cpu", "paddle")
+    registry.use_reference("cpu", "torch")

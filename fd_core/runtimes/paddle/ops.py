@@ -2,9 +2,9 @@
 
 Float32 math on whatever device the tensors live on; tensors of other dtypes are cast in and
 their results cast back. Host-side work is limited to metadata (built once per step and cached
-in ``AttentionMetadata.device``) and to what the contract puts on the host: the per-row noise of
-``sample`` and MoE token grouping; it is ``fd_core.runtimes.host_plan``'s, shared with the other
-runtimes. ``REFERENCE_OPS`` maps op name to function; a backend uses it for every op it does
+in ``AttentionMetadata.device``), MoE token grouping and the per-row noise of ``sample`` (the
+contract's counter-based noise, computed with NumPy); it is ``fd_core.runtimes.host_plan``'s,
+shared with the other runtimes. ``REFERENCE_OPS`` maps op name to function; a backend uses it for every op it does
 not implement itself.
 """
 

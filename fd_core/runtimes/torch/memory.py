@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,3 +158,18 @@ class TorchMemory:
             free, total = torch.cuda.mem_get_info(self.torch_device)
             return int(free), int(total)
         raise NotImplementedError(f"memory_info is not available for device {self.device!r}")
+
+    def profile(self, run: Callable[[], Any]) -> int:
+        """Bytes ``run()`` held on the device at its peak beyond what was allocated before it;
+        afterwards the allocator's cached blocks go back to the device, so ``memory_info``
+        counts only what stays allocated."""
+        if not self.is_cuda:
+            raise NotImplementedError(f"memory profiling is not available for device {self.device!r}")
+        torch.cuda.synchronize(self.torch_device)
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        before = torch.cuda.memory_allocated(self.torch_device)
+        run()
+        torch.cuda.synchronize(self.torch_device)
+        peak = torch.cuda.max_memory_allocated(self.torch_device) - before
+        torch.cuda.empty_cache()
+        return int(max(0, peak))

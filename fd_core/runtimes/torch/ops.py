@@ -4,10 +4,11 @@ It mirrors the Paddle reference (``fd_core.runtimes.paddle.ops``) algorithm for 
 model gives the same logits and, for a seeded request, the same tokens on either runtime. Float32
 math on whatever device the tensors live on (CPU or CUDA; nothing here names a device): tensors
 of other dtypes are cast in and their results cast back. Host-side work is limited to metadata
-(built once per step and cached in ``AttentionMetadata.device``) and to what the contract puts on
-the host: the per-row noise of ``sample`` and MoE token grouping; it is
-``fd_core.runtimes.host_plan``'s, shared with the Paddle reference. ``REFERENCE_OPS`` maps op name
-to function; a backend uses it for every op it does not implement itself.
+(built once per step and cached in ``AttentionMetadata.device``), MoE token grouping and the
+two per-row key words of ``sample``'s noise, whose per-token part is computed on the logits'
+device; it is ``fd_core.runtimes.host_plan``'s, shared with the Paddle reference.
+``REFERENCE_OPS`` maps op name to function; a backend uses it for every op it does not implement
+itself.
 """
 
 from __future__ import annotations
@@ -278,8 +279,45 @@ def moe(
 # --- sample ------------------------------------------------------------------------------------
 #
 # Step for step the Paddle reference's algorithm (same order of penalties, top-k, top-p, min-p,
-# the same nucleus search and the same host-side NumPy noise), so that seeded rows draw the same
+# the same nucleus search and the same counter-based noise), so that seeded rows draw the same
 # token on both runtimes.
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``: by the two 16-bit halves of ``c``,
+    so that no product leaves int64 (a 32 x 32-bit product would overflow it)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _lowbias32(x: Tensor) -> Tensor:
+    """``fd_core.testing.spec._lowbias32`` on int64 holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sampling_noise(
+    batch: SamplingBatch, rows: np.ndarray, vocab: int, device: torch.device
+) -> Tensor:
+    """The contract's noise (``fd_core.testing.spec.counter_noise``) of the ``rows``, float32
+    ``[len(rows), vocab]`` on ``device``, computed there: only the per-row keys come from the
+    host. On the CPU, NumPy's uint32 arithmetic does the same some 30 times faster than int64
+    tensors do."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(host_plan.noise(batch, rows, vocab))
+    return _tensor_noise(_upload(host_plan.noise_keys(batch, rows), device), vocab)
+
+
+def _tensor_noise(keys: Tensor, vocab: int) -> Tensor:
+    """``counter_noise`` of tokens ``0..vocab-1`` under int64 ``keys [R, 2]``, with tensor ops."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
+    h = _lowbias32(_lowbias32(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    v = torch.clamp((h >> 1).to(_F32), min=1.0) * 2.0**-31  # exact: a power of two
+    return -torch.log1p(-torch.clamp(v, max=1 - 2.0**-24))
 
 
 def _column(values: np.ndarray, device: torch.device) -> Tensor:
@@ -311,7 +349,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x - freq * count - presence * (count > 0).to(_F32)
 
 
-def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
+def suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     """``x`` with the suppressed ids at -inf; a new tensor (x may be the caller's logits)."""
     num_rows, vocab = x.shape
     index = host_plan.suppressed(batch, vocab)
@@ -422,7 +460,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
 
     x = apply_penalties(raw, batch) if batch.needs_penalties else raw
     if any(len(t) for t in batch.suppress_token_ids):
-        x = _suppress(x, batch)
+        x = suppress(x, batch)
 
     if greedy.all():  # the common fast path: no sorting, no noise
         tokens = torch.argmax(x, dim=-1, keepdim=True)
@@ -431,7 +469,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         rows = np.flatnonzero(~greedy)
         sub = x if len(rows) == num_rows else take_rows(x, _upload(rows, device))
         weights = _draw_weights(sub, batch, rows)
-        noise = _upload(host_plan.noise(batch, rows, vocab), device)
+        noise = sampling_noise(batch, rows, vocab, device)
         token_ids = np.zeros(num_rows, dtype=np.int64)
         token_ids[rows] = _host(torch.argmax(weights / noise, dim=-1))
         if greedy.any():

@@ -4,6 +4,7 @@
 * ``rotary``     -- rotary position embedding, neox and interleaved styles
 * ``activation`` -- silu_and_mul
 * ``attention``  -- KV-cache write + paged attention over a mixed prefill/decode batch
+* ``sampling``   -- the ``sample`` op: greedy, temperature / top-k / top-p / min-p, without a sort
 
 All of them take torch tensors and run on whatever device Triton drives; with
 ``TRITON_INTERPRET=1`` set before ``triton`` is first imported they run on CPU tensors through

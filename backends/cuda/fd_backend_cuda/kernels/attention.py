@@ -336,6 +336,25 @@ def step_tensors(meta, device: torch.device) -> StepTensors:
     return found
 
 
+def static_step_tensors(meta, device: torch.device, max_blocks: int) -> tuple[StepTensors, torch.Tensor]:
+    """Device metadata for the decode steps of a captured graph (one new token per sequence):
+    fixed buffers, placed in ``meta.device`` so that the kernels captured with ``meta`` read
+    them, and rewritten in place before each replay. ``seq_lens``, ``context_lens`` and the
+    slot mapping (int32 here) are one buffer, so a replay updates them in one copy; the block
+    tables are ``[num_seqs, max_blocks]``, of which a replay writes only the columns in use.
+    Returns the tensors and that one int32 buffer."""
+    n = meta.num_seqs
+    packed = torch.zeros(3 * n, dtype=torch.int32, device=device)
+    found = meta.device[f"cuda.step@{device}"] = StepTensors(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=packed[:n],
+        context_lens=packed[n : 2 * n],
+        block_tables=torch.zeros((n, max_blocks), dtype=torch.int32, device=device),
+        slot_mapping=packed[2 * n :],
+    )
+    return found, packed
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -346,7 +365,9 @@ def _choose_splits(programs: int, max_keys: int, num_sms: int) -> int:
     if programs >= num_sms or max_keys < 2 * MIN_SPLIT_KEYS:
         return 1
     want = triton.cdiv(2 * num_sms, programs)
-    return max(1, min(want, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    splits = max(1, min(want, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    # a power of two: NUM_SPLITS is compiled in, and few values mean few compilations
+    return 1 << (splits.bit_length() - 1)
 
 
 def _tiles(group: int, head_dim: int, wide: bool) -> tuple[dict, dict]:
@@ -623,4 +644,4 @@ def paged_attention(
     return out
 
 
-__all__ = ["paged_attention", "plan_launches", "step_tensors", "write_kv_cache"]
+__all__ = ["paged_attention", "plan_launches", "static_step_tensors", "step_tensors", "write_kv_cache"]

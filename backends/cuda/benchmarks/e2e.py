@@ -1,0 +1,233 @@
+"""fd on the cuda backend beside transformers' ``generate()``, same GPU, same random-weight model
+shaped like ERNIE-4.5-0.3B (18 layers, hidden 1024, 16 query / 2 key-value heads of 128,
+intermediate 3072, vocabulary 103,424, tied embeddings), bfloat16, greedy.
+
+    python backends/cuda/benchmarks/e2e.py [--model DIR] [--quick]
+
+Prints, for transformers, fd with CUDA graphs and fd with ``enforce_eager``:
+  * batch 1, 128-token prompt: time per output token (mean over decode steps), beside the HBM
+    roofline (weight bytes + KV bytes read per token / the GPU's memory bandwidth);
+  * 128 requests of 1,024 prompt tokens, 128 output tokens each, submitted at once: output
+    tokens/s over the whole run (prefill included), and the ratio fd / transformers.
+transformers runs first and is released before fd loads, so both have the GPU to themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from tests.checkpoints import ERNIE_45_03B  # noqa: E402
+
+# Peak HBM bandwidth by product name (datasheets), for the roofline line only.
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+
+def build_model(folder: Path) -> Path:
+    from tests import checkpoints
+
+    if (folder / "ernie45" / "config.json").exists():
+        return folder / "ernie45"
+    path = checkpoints.make_ernie45(folder, **ERNIE_45_03B)
+    whole_vocabulary_tokenizer(path, ERNIE_45_03B["vocab_size"])
+    return path
+
+
+def whole_vocabulary_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Replace the test tokenizer (a few hundred pieces) by a word-level one that names every
+    id of the model's vocabulary (``<unk>``, ``<s>``, ``</s>``, ``fd bench serve``'s words, then
+    ``w...``), so every token a random model samples decodes to text: the serving benchmark
+    counts streams by content."""
+    from fd_core.bench.serve import WORDS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # the benchmark's own words first, so its prompts are distinct token sequences
+    names = list(dict.fromkeys(WORDS)) + [f"w{i}" for i in range(vocab_size)]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for name in names:
+        if len(vocab) == vocab_size:
+            break
+        vocab.setdefault(name, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.model").unlink(missing_ok=True)
+
+
+def bandwidth() -> tuple[str, float | None]:
+    name = torch.cuda.get_device_name(0)
+    for key, value in HBM_BYTES_PER_S.items():
+        if key in name:
+            return name, value
+    return name, None
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, ERNIE_45_03B["vocab_size"], size=(count, length)).tolist()
+
+
+# -- transformers -------------------------------------------------------------------------------
+
+
+def hf_run(model_dir: Path, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    out = {}
+
+    def generate(batch: list[list[int]], new: int) -> float:
+        ids = torch.tensor(batch, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    one = prompts(1, 128, 1)
+    generate(one, 8)  # warm-up
+    first, full = generate(one, 1), generate(one, args.decode_tokens + 1)
+    out["batch1_ms_per_token"] = (full - first) / args.decode_tokens * 1e3
+    many = prompts(args.requests, args.prompt_len, 2)
+    generate(many[:8], 4)
+    wall = generate(many, args.output_len)
+    out["throughput_tokens_per_s"] = args.requests * args.output_len / wall
+    out["throughput_wall_s"] = wall
+    model = None  # released before fd loads
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# -- fd -----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, title: str):
+    """cProfile the block and print where the host's time went (``--profile``)."""
+    if not enabled:
+        yield
+        return
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        print(f"--- host profile: {title}")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+
+
+def fd_run(model_dir: Path, args, enforce_eager: bool) -> dict:
+    from fd_core import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=args.prompt_len + args.output_len + 64,
+              max_num_seqs=args.requests, enforce_eager=enforce_eager,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = llm.engine
+    out = {"kv_cache_blocks": engine.core.pool.num_blocks if hasattr(engine.core.pool, "num_blocks") else None}
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True)
+    # warm-up: compile the kernels, capture the graphs of the sizes used below
+    llm.generate(prompts(4, 128, 3), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+
+    engine.add_request("b1", prompts(1, 128, 1)[0], greedy)
+    stamps = []
+    with profiled(args.profile, "batch 1"):
+        while engine.has_unfinished_requests():
+            if engine.step():
+                torch.cuda.synchronize()
+                stamps.append(time.perf_counter())
+    steps = np.diff(stamps)
+    out["batch1_ms_per_token"] = float(np.mean(steps)) * 1e3
+    out["batch1_ms_per_token_p50"] = float(np.median(steps)) * 1e3
+
+    many = prompts(args.requests, args.prompt_len, 2)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    # an identical untimed run first: every kernel variant the load needs is compiled then
+    llm.generate(many, params, use_tqdm=False)
+    llm.reset_prefix_cache()  # the timed run computes every prompt
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profiled(args.profile, "throughput"):
+        results = llm.generate(many, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    produced = sum(len(r.outputs[0].token_ids) for r in results)
+    out["throughput_tokens_per_s"] = produced / wall
+    out["throughput_wall_s"] = wall
+    out["steps"] = engine.core.stats["steps"]
+    engine.core.shutdown()
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def roofline(model_dir: Path, context: int) -> dict:
+    """Bytes a decode step must read at batch 1: every weight once (tied embedding: the LM head
+    is the embedding table; the embedding lookup reads one row) and the KV cache so far."""
+    c = ERNIE_45_03B
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h
+    weights = (c["num_hidden_layers"] * per_layer + c["vocab_size"] * h) * 2  # bfloat16
+    kv_bytes = c["num_hidden_layers"] * 2 * kv * context * 2
+    name, bw = bandwidth()
+    return {"gpu": name, "weight_bytes": weights, "kv_bytes_at_context": kv_bytes,
+            "hbm_bytes_per_s": bw, "roofline_ms_per_token": (weights + kv_bytes) / bw * 1e3 if bw else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=Path("/tmp/fd-ernie-0.3b"))
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also run fd without graphs")
+    ap.add_argument("--profile", action="store_true", help="cProfile fd's timed runs")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args()
+    model_dir = build_model(args.model)
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "roofline": roofline(model_dir, 128 + args.decode_tokens // 2)}
+    if not args.skip_hf:
+        report["transformers"] = hf_run(model_dir, args)
+        print("transformers", report["transformers"], flush=True)
+    report["fd_graphs"] = fd_run(model_dir, args, enforce_eager=False)
+    print("fd (CUDA graphs)", report["fd_graphs"], flush=True)
+    if args.eager:
+        report["fd_eager"] = fd_run(model_dir, args, enforce_eager=True)
+        print("fd (eager)", report["fd_eager"], flush=True)
+    if "transformers" in report:
+        hf = report["transformers"]["throughput_tokens_per_s"]
+        for key in [k for k in ("fd_graphs", "fd_eager") if k in report]:
+            report[key]["throughput_vs_transformers"] = report[key]["throughput_tokens_per_s"] / hf
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Where a step's wall time goes: fd's engine functions wrapped in timers, on the model of
+``e2e.py`` (bfloat16, CUDA graphs), for the batch-1 and the 128-request loads.
+
+    python backends/cuda/benchmarks/step_phases.py
+
+No synchronisation is added: GPU time shows up in whichever call waits for the GPU (``sample``,
+which copies the tokens to the host). Each load runs twice; the second is the one to read.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402
+from fd_core import LLM, SamplingParams  # noqa: E402
+from fd_core.engine import core, executor, output_processor, scheduler  # noqa: E402
+from fd_core.engine import model_runner as runner_module  # noqa: E402
+
+spent: collections.Counter = collections.Counter()
+
+
+def timed(label: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - start
+
+    return wrapper
+
+
+def instrument(llm: LLM) -> None:
+    scheduler.Scheduler.schedule = timed("schedule", scheduler.Scheduler.schedule)
+    executor.prepare_inputs = timed("prepare_inputs", executor.prepare_inputs)
+    executor.sampling_batch = timed("sampling_batch", executor.sampling_batch)
+    runner_module.ModelRunner.run = timed("forward + logits (launch)", runner_module.ModelRunner.run)
+    core.EngineCore._apply = timed("apply tokens", core.EngineCore._apply)
+    output_processor.OutputProcessor.process = timed("detokenize / outputs", output_processor.OutputProcessor.process)
+    ops = llm.engine.core.ops
+    ops.sample = timed("sample (waits for the GPU)", ops.sample)
+
+
+def run(llm: LLM, title: str, prompts, params) -> None:
+    for attempt in (1, 2):
+        llm.reset_prefix_cache()
+        torch.cuda.synchronize()
+        spent.clear()
+        steps0 = llm.engine.core.stats["steps"]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        steps = llm.engine.core.stats["steps"] - steps0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"--- {title}, run {attempt}: {wall * 1e3:.1f} ms, {steps} steps, {wall / steps * 1e3:.3f} ms/step, "
+              f"{tokens / wall:.0f} output tokens/s")
+        for label, seconds in spent.most_common():
+            print(f"  {label:28s} {seconds / steps * 1e3:8.3f} ms/step")
+
+
+def main() -> None:
+    model = e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
+    llm = LLM(model=str(model), device="cuda", dtype="bfloat16", max_model_len=1300, max_num_seqs=128)
+    instrument(llm)
+    run(llm, "batch 1, 128-token prompt, 257 tokens", e2e.prompts(1, 128, 1),
+        SamplingParams(temperature=0, max_tokens=257, ignore_eos=True))
+    run(llm, "128 x 1024-token prompts, 128 tokens", e2e.prompts(128, 1024, 2),
+        SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+    run(llm, "the same, top-k 50 / top-p 0.95 / T 0.8", e2e.prompts(128, 1024, 2),
+        SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=128, ignore_eos=True, seed=3))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""CUDA graphs for decode steps: the ``wrap_forward`` hook of the shared model runner.
+
+A decode step (one new token per sequence) of ``S`` sequences runs as the replay of a graph
+captured for the smallest bucket ``B >= S``. The graph was captured with fixed input buffers; a
+replay first writes the step into them: token ids and positions (device to device: the runner
+has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
+padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
+cache slot -1 (their keys and values are not stored), the rule ``attention.py`` documents.
+
+Every other step — prefill chunks, mixed batches, more sequences than the largest bucket — runs
+eagerly through the same ops. Every bucket is captured at start-up, once the KV cache exists
+(``warm_up``), each after one eager run of the bucket (Triton compiles, launch plans and
+split-K scratch are made then), into one memory pool shared by all buckets: only one graph runs
+at a time, and its output is consumed before the next replay.
+
+The split-K factor of a bucket's attention is fixed at capture for the longest sequence the
+engine allows (``max_model_len``); a shorter sequence leaves some splits empty, which the
+combine step ignores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from fd_core.interfaces import AttentionMetadata, RunnerLimits
+
+from fd_backend_cuda.kernels.attention import static_step_tensors
+
+log = logging.getLogger("fd.cuda")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to 64, then every 16
+    (as in vLLM, padding a batch costs at most ~12% of its rows), and max_num_seqs itself."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+class _Graph:
+    """One bucket: the captured graph, its input buffers and its output."""
+
+    def __init__(self, size: int, limits: RunnerLimits, device: torch.device) -> None:
+        self.size = size
+        n = size
+        max_len = limits.max_model_len
+        # Host metadata that plans the attention launches at warm-up: every sequence as long
+        # as the engine allows, so the split-K factor suits the longest decode.
+        self.meta = AttentionMetadata(
+            query_start_loc=np.arange(n + 1, dtype=np.int64),
+            seq_lens=np.full(n, max_len, dtype=np.int64),
+            context_lens=np.full(n, max_len - 1, dtype=np.int64),
+            block_tables=np.zeros((n, 1), dtype=np.int64),
+            slot_mapping=np.full(n, -1, dtype=np.int64),
+            block_size=limits.block_size,
+        )
+        self.max_blocks = -(-max_len // limits.block_size)
+        self.tensors, self.packed_device = static_step_tensors(self.meta, device, self.max_blocks)
+        self.tensors.slot_mapping.fill_(-1)  # warm-up and capture write nothing to the cache
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.packed = np.zeros(3 * n, dtype=np.int32)  # seq_lens | context_lens | slot mapping
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any) -> None:
+        forward(self.ids, self.positions, kv_caches, self.meta)  # warm-up: compile, plan, allocate
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.output = forward(self.ids, self.positions, kv_caches, self.meta)
+        self.graph = graph
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        s, n = meta.num_seqs, self.size
+        self.ids[:s].copy_(ids)  # rows past s keep earlier valid ids and positions
+        self.positions[:s].copy_(positions)
+        packed = self.packed
+        packed[:s] = meta.seq_lens
+        packed[s:n] = 0
+        packed[n : n + s] = meta.context_lens
+        packed[n + s : 2 * n] = 0
+        packed[2 * n : 2 * n + s] = meta.slot_mapping
+        packed[2 * n + s :] = -1
+        self.packed_device.copy_(torch.from_numpy(packed))
+        tables = meta.block_tables
+        self.tensors.block_tables[:s, : tables.shape[1]].copy_(torch.from_numpy(tables.astype(np.int32)))
+        self.graph.replay()
+        return self.output[:s]
+
+
+class CudaGraphHooks:
+    """``ModelRunnerHooks`` of the cuda platform."""
+
+    def wrap_forward(self, forward: Callable[..., Any], limits: RunnerLimits) -> Callable[..., Any]:
+        return GraphedForward(forward, limits)
+
+
+class GraphedForward:
+    """The model forward with decode steps replayed from captured graphs."""
+
+    def __init__(self, forward: Callable[..., Any], limits: RunnerLimits) -> None:
+        self.forward = forward
+        self.limits = limits
+        self.sizes = capture_sizes(limits.max_num_seqs)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+        self.kv_caches: list | None = None
+        self.replays = 0
+
+    def bucket(self, num_seqs: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def warm_up(self, kv_caches: list, device: str | torch.device) -> None:
+        """Capture every bucket now that the KV cache exists, largest first (the pool then
+        holds the largest activations once, and smaller graphs reuse that memory)."""
+        start = time.perf_counter()
+        device = torch.device(device)  # the attention op keys its metadata by q.device
+        for size in sorted(self.sizes, reverse=True):
+            self._graph(size, kv_caches, device)
+        log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s",
+                 ", ".join(map(str, self.sizes)), time.perf_counter() - start)
+
+    def _graph(self, size: int, kv_caches: list, device: torch.device) -> _Graph:
+        if kv_caches is not self.kv_caches:  # a new KV cache: graphs captured on the old are stale
+            self.graphs.clear()
+            self.kv_caches = kv_caches
+        graph = self.graphs.get(size)
+        if graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = _Graph(size, self.limits, device)
+            graph.capture(self.forward, kv_caches, self.pool)
+            self.graphs[size] = graph
+        return graph
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        num_seqs = meta.num_seqs
+        size = self.bucket(num_seqs)
+        if size is None or ids.shape[0] != num_seqs or ids.device.type != "cuda":
+            return self.forward(ids, positions, kv_caches, meta)  # not a decode step: eager
+        self.replays += 1
+        return self._graph(size, kv_caches, ids.device).replay(ids, positions, meta)

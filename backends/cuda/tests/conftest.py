@@ -1,0 +1,30 @@
+"""Models the GPU tests share, built once per session (the ERNIE-0.3B shape takes ~20 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _need_cuda(devices: int = 1):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < devices:
+        pytest.skip(f"needs {devices} CUDA device(s)")
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """The tests' tiny random-weight Llama."""
+    _need_cuda()
+    from tests import checkpoints
+
+    return checkpoints.make_llama(tmp_path_factory.mktemp("llama-gpu"))
+
+
+@pytest.fixture(scope="session")
+def ernie(tmp_path_factory):
+    """A random-weight model of ERNIE-4.5-0.3B's shape, float32 on disk."""
+    _need_cuda()
+    from tests import checkpoints
+
+    return checkpoints.make_ernie45(tmp_path_factory.mktemp("ernie03b"), **checkpoints.ERNIE_45_03B)

@@ -1,0 +1,293 @@
+"""``--runtime torch`` on the CPU: the built-in cpu platform bound to PyTorch's CPU build.
+
+Choosing the runtime (engine, ``LLM``, CLI, tensor-parallel ranks), runtime-aware op selection
+(Paddle's ops never chosen under torch, torch's references native rather than a fallback), the
+errors for a runtime the platform does not list or that is not installed, and end-to-end greedy
+output equal to the Paddle runtime's and transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fd_core.backends.cpu import CpuPlatform  # noqa: E402
+from fd_core.engine.config import EngineConfig  # noqa: E402
+from fd_core.errors import BackendError, ConfigError  # noqa: E402
+from fd_core.interfaces import OP_SPECS  # noqa: E402
+from fd_core.plugins import OpRegistry, get_registry  # noqa: E402
+from fd_core.plugins.registry import bind_runtime, platform_runtimes  # noqa: E402
+from fd_core.runtimes.torch import REFERENCE_OPS as TORCH_OPS  # noqa: E402
+from fd_core.runtimes.torch import TorchCommunicator, TorchMemory  # noqa: E402
+
+
+def fd(*args: str, code: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    """The ``fd`` CLI in a fresh process; ``code`` runs first (e.g. to hide torch)."""
+    pre = code or ""
+    script = f"import sys\n{pre}\nfrom fd_core.entrypoints.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+
+
+# -- op registration and selection ---------------------------------------------------------------
+
+
+def test_cpu_op_table_on_torch_is_all_torch_references_without_fallback_warnings(caplog):
+    registry = get_registry()
+    platform = registry.platform("cpu", "torch")
+    with caplog.at_level("WARNING", logger="fd.ops"):
+        table = registry.op_table(platform, {"dtype": "float32", "head_dim": 16, "quantization": None})
+    assert not caplog.records  # the torch references are the cpu backend's own here
+    assert table.runtime == "torch" and not table.missing()
+    for op in OP_SPECS:
+        impl = table.choices[op].impl
+        assert impl.fn is TORCH_OPS[op] and impl.runtime == "torch", op
+        assert impl.fn.__module__ == "fd_core.runtimes.torch.ops"
+    rows = table.describe()
+    assert {impl for _, impl, _, _ in rows} == {"reference"}
+    assert all(source == "fd-core" and "fallback" not in why and "torch runtime" in why
+               for _, _, source, why in rows)
+    # the default runtime still gets Paddle's ops, and never torch's
+    paddle = registry.op_table(registry.platform("cpu"), {"dtype": "float32"})
+    assert paddle.runtime == "paddle"
+    assert all(c.impl.fn.__module__.startswith("fd_core.runtimes.paddle") for c in paddle.choices.values())
+    pinned = registry.op_table(platform, {"dtype": "float32"}, {"attention": "reference"})
+    assert pinned.choices["attention"].impl.fn is TORCH_OPS["attention"]
+
+
+def test_registration_is_runtime_aware(caplog):
+    reg = OpRegistry()
+
+    def paddle_silu(x):
+        return x
+
+    def any_silu(x):
+        return x
+
+    def torch_ref(x):
+        return x
+
+    reg.register("silu_and_mul", "chip", paddle_silu, name="pd-silu", priority=5, runtime="paddle")
+    reg.register_reference("torch", {"silu_and_mul": torch_ref})
+    reg.register_reference("paddle", {"silu_and_mul": torch_ref})
+    # under torch the Paddle-only implementation is no candidate: the reference, with a warning
+    with caplog.at_level("WARNING", logger="fd.ops"):
+        table = reg.select("chip", "torch")
+    assert table.choices["silu_and_mul"].impl.name == "reference"
+    assert any("silu_and_mul" in r.getMessage() for r in caplog.records)
+    assert reg.select("chip", "paddle").choices["silu_and_mul"].impl.name == "pd-silu"
+    with pytest.raises(ConfigError, match="no implementation named 'pd-silu' for device type 'chip' on the torch runtime"):
+        reg.select("chip", "torch", pins={"silu_and_mul": "pd-silu"})
+    # runtime=None (the default, as before API 1.2): a candidate on every runtime
+    reg.register("silu_and_mul", "chip", any_silu, name="any-silu", priority=1)
+    assert reg.select("chip", "torch").choices["silu_and_mul"].impl.name == "any-silu"
+    assert reg.select("chip", "paddle").choices["silu_and_mul"].impl.name == "pd-silu"
+    # an adopted reference is chosen like a registered op: no warning
+    reg.use_reference("chip", "torch", priority=3)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fd.ops"):
+        choice = reg.select("chip", "torch").choices["silu_and_mul"]
+    assert choice.impl.fn is torch_ref and choice.impl.runtime == "torch" and not caplog.records
+
+
+# -- the platform bound to a runtime -------------------------------------------------------------
+
+
+def test_the_cpu_platform_binds_to_torch():
+    registry = get_registry()
+    default = registry.platform("cpu")
+    assert default.runtime == "paddle" and platform_runtimes(default) == ("paddle", "torch")
+    bound = registry.platform("cpu", "torch")
+    assert bound is not default and bound.runtime == "torch" and default.runtime == "paddle"
+    assert registry.platform("cpu", "paddle") is default
+    assert registry.platform("auto", "torch").runtime == "torch"
+    assert isinstance(bound.memory(), TorchMemory)
+    comm = bound.communicator(0, 1)
+    assert isinstance(comm, TorchCommunicator) and comm.world_size == 1
+    caps = bound.capabilities()
+    assert caps.dtypes == caps.kv_cache_dtypes == frozenset({"float32", "bfloat16"})
+    assert caps.collective_library == "gloo"
+    assert default.capabilities().dtypes == frozenset({"float32"})
+
+
+def test_a_runtime_the_platform_does_not_list_is_one_config_error(tmp_path):
+    from fd_core import LLM
+
+    with pytest.raises(ConfigError, match=r"^--runtime jax: the cpu backend runs on paddle, torch$"):
+        get_registry().platform("cpu", "jax")
+
+    class OneRuntime:  # an API 1.1 platform: no runtimes, no with_runtime
+        name, device_type, runtime = "chip", "chip", "torch"
+
+    assert platform_runtimes(OneRuntime()) == ("torch",)
+    with pytest.raises(ConfigError, match=r"--runtime paddle: the chip backend runs on torch"):
+        bind_runtime(OneRuntime(), "paddle")
+    assert bind_runtime(OneRuntime(), None).runtime == "torch"
+    # refused before the model is even looked for
+    with pytest.raises(ConfigError, match="--runtime jax"):
+        LLM(model=str(tmp_path / "no-such-model"), device="cpu", runtime="jax")
+    with pytest.raises(ConfigError, match="runtime must be a runtime name"):
+        EngineConfig(model="m", runtime="").validate()
+
+
+def test_cli_errors_name_the_flag_the_backend_and_what_it_supports():
+    out = fd("generate", "hi", "--device", "cpu", "--runtime", "jax", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "fd: error: --runtime jax: the cpu backend runs on paddle, torch" in out.stderr
+    assert "Traceback" not in out.stderr
+    hidden = "sys.modules['torch'] = None  # as if torch were not installed"
+    out = fd("generate", "hi", "--device", "cpu", "--runtime", "torch", code=hidden, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "fd: error: --runtime torch: the torch runtime cannot be imported" in out.stderr
+    assert "fd-core[torch]" in out.stderr and "Traceback" not in out.stderr
+    out = fd("generate", "hi", "--device", "cpu", "--runtime", "torch", "--dtype", "float16", timeout=60)
+    assert out.returncode == 2 and "--dtype float16: the cpu backend supports ['bfloat16', 'float32']" in out.stderr
+    out = fd("backends", code=hidden, timeout=60)
+    assert out.returncode == 0 and "runtimes: paddle (default), torch (not installed)" in out.stdout
+
+
+def test_fd_backends_and_doctor_show_the_runtimes():
+    out = fd("backends", "--json", timeout=60)
+    assert out.returncode == 0, out.stderr
+    cpu = {b["name"]: b for b in json.loads(out.stdout)["backends"]}["cpu"]["platforms"]["cpu"]
+    assert cpu["runtime"] == "paddle" and cpu["runtimes"] == {"paddle": True, "torch": True}
+    assert cpu["runtime_capabilities"]["torch"]["dtypes"] == ["bfloat16", "float32"]
+    out = fd("doctor", "--device", "cpu", "--runtime", "torch", timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "device cpu (type cpu, runtime torch; also runs on paddle (--runtime))"
+    assert len(lines) == 1 + len(OP_SPECS) and all("for the torch runtime" in line for line in lines[1:])
+
+
+def test_cli_flag_reaches_the_config():
+    from fd_core.entrypoints.cli import build_parser, engine_config
+
+    for command in ("serve", "generate", "chat"):
+        argv = [command] + (["hi"] if command == "generate" else []) + ["--runtime", "torch"]
+        assert engine_config(build_parser().parse_args(argv)).runtime == "torch"
+    assert engine_config(build_parser().parse_args(["serve"])).runtime is None
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 400, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def generate(model_dir, params, **engine_args):
+    from fd_core import LLM
+
+    engine_args = {"num_kv_blocks": 512, **engine_args}
+    llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, block_size=4, **engine_args)
+    try:
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts(), params, use_tqdm=False)], llm
+    finally:
+        llm.engine.core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    pytest.importorskip("transformers")  # the checkpoints are built with transformers
+    from tests import checkpoints
+
+    return checkpoints
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("make", ["make_llama", "make_qwen3", "make_ernie45"])
+def test_greedy_on_torch_equals_paddle_and_transformers(tmp_path, checkpoints, make):
+    from fd_core import LLM, SamplingParams
+    from tests.oracle import fd_greedy_logits, hf_logits, relative_error
+
+    model_dir = getattr(checkpoints, make)(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    on_paddle, _ = generate(model_dir, params)
+    on_torch, llm = generate(model_dir, params, runtime="torch")
+    assert llm.engine.core.platform.runtime == "torch" and llm.engine.core.ops.runtime == "torch"
+    assert isinstance(llm.engine.memory, TorchMemory)
+    assert isinstance(llm.engine.runner.kv_caches[0][0], torch.Tensor)
+    assert on_torch == on_paddle
+    # and transformers' logits at every step (float32, as in test_models_oracle.py)
+    llm = LLM(model=str(model_dir), device="cpu", runtime="torch", max_model_len=128, block_size=4, num_kv_blocks=64)
+    prompt = prompts(1)[0]
+    tokens, ours = fd_greedy_logits(llm, prompt, 8)
+    theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1:]
+    assert max(relative_error(ours[i], theirs[i]) for i in range(8)) <= 1e-4
+    assert tokens == ours.argmax(axis=1).tolist()
+
+
+def test_seeded_sampling_and_swap_on_torch_equal_paddle(tmp_path, checkpoints):
+    from fd_core import SamplingParams
+
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True, n=2)
+    on_paddle, _ = generate(model_dir, params)
+    tight, llm = generate(model_dir, params, runtime="torch", num_kv_blocks=4 * 16 + 1, swap_space=0.01)
+    assert llm.engine.scheduler.num_swapped_out > 0
+    assert tight == on_paddle
+
+
+def test_two_torch_ranks_over_gloo_equal_one_process(tmp_path, checkpoints, monkeypatch):
+    from fd_core import SamplingParams
+    from fd_core.engine import core
+
+    sent = []
+    original = core.Workers.__init__
+
+    def recording(self, config, *args):
+        sent.append(config)
+        original(self, config, *args)
+
+    monkeypatch.setattr(core.Workers, "__init__", recording)
+    model_dir = checkpoints.make_qwen3(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one, _ = generate(model_dir, params, runtime="torch")
+    two, llm = generate(model_dir, params, runtime="torch", tensor_parallel_size=2)
+    assert llm.engine.core.executor.workers.world_size == 2 and llm.engine.runner is None
+    # every rank rebuilds the platform from this config: cpu on torch (TorchMemory, gloo)
+    assert [(c.device, c.runtime) for c in sent] == [("cpu", "torch")]
+    assert two == one
+
+
+def test_bfloat16_on_torch(tmp_path, checkpoints):
+    from fd_core import LLM, SamplingParams
+    from tests.oracle import fd_greedy_logits, relative_error
+
+    model_dir = checkpoints.make_llama(tmp_path)
+    with pytest.raises(ConfigError, match=r"--dtype bfloat16: the cpu backend supports \['float32'\]"):
+        LLM(model=str(model_dir), device="cpu", dtype="bfloat16")
+    args = dict(model=str(model_dir), device="cpu", runtime="torch", max_model_len=128, block_size=4, num_kv_blocks=64)
+    half = LLM(dtype="bfloat16", **args)
+    assert half.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    prompt = prompts(1)[0]
+    _, theirs = fd_greedy_logits(LLM(**args), prompt, 1)
+    _, ours = fd_greedy_logits(half, prompt, 1)
+    assert relative_error(ours[0], theirs[0]) < 5e-2  # bfloat16 keeps ~3 significant digits
+    out = half.generate(prompts(4), SamplingParams(temperature=0.7, seed=1, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_fd_generate_with_runtime_torch(tmp_path, checkpoints):
+    from fd_core import LLM, SamplingParams
+
+    model = str(checkpoints.make_llama(tmp_path))
+    out = fd("generate", "hello there", "--model", model, "--device", "cpu", "--runtime", "torch",
+             "--max-tokens", "6", "--num-kv-blocks", "32")
+    assert out.returncode == 0, out.stderr
+    llm = LLM(model=model, device="cpu", num_kv_blocks=32)
+    text = llm.generate("hello there", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    assert out.stdout == text + "\n"
+
+
+def test_an_unimportable_runtime_is_a_backend_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fd_core.runtimes.torch", None)  # import fails as without torch
+    with pytest.raises(BackendError, match=r"^--runtime torch: the torch runtime cannot be imported .*fd-core\[torch\]"):
+        bind_runtime(CpuPlatform(), "torch")
