@@ -25,6 +25,7 @@ prompt is computed (``fork``).
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from fd_core.engine.block_pool import BlockPool
@@ -85,17 +86,20 @@ class Scheduler:
         out = SchedulerOutput([], [])
         budget = self.max_num_batched_tokens
 
-        queue = sorted(self.running, key=lambda s: s.arrival)
+        queue = deque(sorted(self.running, key=lambda s: s.arrival))
         kept: list[Sequence] = []
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.pool.can_grow(seq, seq.num_computed + num_new) and queue:
-                self._preempt(queue.pop(), out)
-            if not self.pool.can_grow(seq, seq.num_computed + num_new):
-                self._preempt(seq, out)
-                continue
-            self.pool.grow(seq, seq.num_computed + num_new)
+            target = seq.num_computed + num_new
+            need = self.pool.blocks_needed(seq, target)
+            if need:  # most decode steps fit in the last block: nothing to allocate
+                while need > self.pool.num_free and queue:
+                    self._preempt(queue.pop(), out)
+                if need > self.pool.num_free:
+                    self._preempt(seq, out)
+                    continue
+                self.pool.grow(seq, target)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             kept.append(seq)
             budget -= num_new
