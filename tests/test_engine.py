@@ -75,3 +75,36 @@ def test_incremental_detokenization_equals_full_decode(model_dir):
         pieces.append(detokenizer.append_text(tok, state))
     assert "".join(pieces) == state.text == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_memory_profiling_step_and_kv_budget(model_dir, monkeypatch):
+    """The profiling step behind --gpu-memory-utilization, run through the shared runner on the
+    CPU with the device's numbers faked: it runs the forward and the sampler once on its own
+    cache, leaves the engine's cache in place, and the engine sizes the cache from what it
+    reports (utilization of total, less what is in use, less the step's peak)."""
+    from fd_core.engine.config import GiB
+    from fd_core.errors import ConfigError
+
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=64)
+    core = llm.engine.core
+    runner = core.executor.runner
+    caches, seen = runner.kv_caches, {}
+    sample = runner.ops.sample
+
+    def counting_sample(logits, batch):
+        seen["rows"], seen["blocks"] = logits.shape[0], runner.kv_caches[0][0].shape[0] // 4
+        return sample(logits, batch)
+
+    monkeypatch.setattr(runner.ops, "sample", counting_sample)
+    monkeypatch.setattr(runner.memory, "profile", lambda run: (run(), 3 * GiB)[1], raising=False)
+    monkeypatch.setattr(runner.memory, "memory_info", lambda: (60 * GiB, 80 * GiB))
+    free, total, peak = runner.profile_memory(300, 8, 128, "float32")
+    assert (free, total, peak) == (60 * GiB, 80 * GiB, 3 * GiB)
+    assert seen == {"rows": 8, "blocks": 1 + 32 + 32 + 11}  # 128 + 128 + 44 tokens, block 0 kept free
+    assert runner.kv_caches is caches
+    core.config.gpu_memory_utilization, core.config.max_num_batched_tokens = 0.5, 300
+    expected = int((40 - 20 - 3) * GiB // core._kv_block_bytes())
+    assert core._profiled_kv_blocks(core._kv_block_bytes()) == expected
+    core.config.gpu_memory_utilization = 0.25  # 20 GiB, all in use already
+    with pytest.raises(ConfigError, match="gpu-memory-utilization"):
+        core._profiled_kv_blocks(core._kv_block_bytes())

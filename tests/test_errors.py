@@ -79,3 +79,7 @@ def test_bad_engine_config():
         LLM(max_num_seqs=0)
     with pytest.raises(ConfigError, match="exceeds the model's context length"):
         LLM(max_model_len=10**6)
+    with pytest.raises(ConfigError, match="both size the KV cache"):
+        LLM(kv_cache_memory_gb=1, gpu_memory_utilization=0.5)
+    with pytest.raises(ConfigError, match="kv_cache_memory_gb must be > 0"):
+        LLM(kv_cache_memory_gb=0)

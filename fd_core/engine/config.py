@@ -10,16 +10,18 @@ from fd_core.interfaces import Capabilities
 GiB = 1 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_KV_CACHE_MEMORY_GB = 2.0  # where the backend does not profile device memory
 
 
 @dataclass
 class EngineConfig:
     """Names follow FastDeploy's / vLLM's flags.
 
-    KV-cache size: ``num_kv_blocks`` if given; on a backend with ``memory_profiling``,
+    KV-cache size: ``num_kv_blocks`` if given, else ``kv_cache_memory_gb`` GiB if given (capped
+    at half the free memory), else on a backend with ``memory_profiling``
     ``gpu_memory_utilization`` (default 0.9) of the device memory minus what the model occupies
-    after a profiling pass; otherwise ``kv_cache_memory_gb`` GiB (default 2, capped at half the
-    free host RAM) — the CPU backend's way.
+    after a profiling pass, else 2 GiB (capped likewise) — the CPU backend's way. Asking for
+    both ``kv_cache_memory_gb`` and ``gpu_memory_utilization`` is an error.
 
     Left as None, ``enable_prefix_caching`` and ``enable_chunked_prefill`` are on where the
     backend supports them, and ``max_num_batched_tokens`` is the platform's proposal (its
@@ -37,7 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None  # default: DEFAULT_KV_CACHE_MEMORY_GB or profiled
     gpu_memory_utilization: float | None = None  # default 0.9 where the backend profiles memory
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool | None = None
@@ -61,8 +63,10 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError(f"num_kv_blocks must be at least 2, got {self.num_kv_blocks}")
-        if not 0 < self.kv_cache_memory_gb:
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_memory_gb is not None and self.gpu_memory_utilization is not None:
+            raise ConfigError("--kv-cache-memory-gb and --gpu-memory-utilization both size the KV cache; give one")
         if not (isinstance(self.swap_space, (int, float)) and self.swap_space >= 0):
             raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.runtime is not None and (not isinstance(self.runtime, str) or not self.runtime):

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fd_core.engine.block_pool import BlockPool
-from fd_core.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig, GiB
+from fd_core.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_MEMORY_GB,
+    EngineConfig,
+    GiB,
+)
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import load_runner
 from fd_core.engine.model_runner import StepResult
@@ -174,9 +179,9 @@ class EngineCore:
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         per_block = self._kv_block_bytes()
-        if self.capabilities.memory_profiling:
+        if c.kv_cache_memory_gb is None and self.capabilities.memory_profiling:
             return self._profiled_kv_blocks(per_block)
-        budget = c.kv_cache_memory_gb * GiB
+        budget = (c.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GiB
         free, _ = self.executor.memory_info()
         if free:
             budget = min(budget, free // 2)

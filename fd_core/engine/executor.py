@@ -174,15 +174,19 @@ class Executor:
         self.runner = runner
         self.workers = workers
 
-    def _everywhere(self, method: str, *args: Any) -> Any:
-        """Call ``method`` on every rank's runner; rank 0's result."""
+    def _all_ranks(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank's runner; their results, by rank."""
         if self.runner is not None:
-            return getattr(self.runner, method)(*args)
+            return [getattr(self.runner, method)(*args)]
         gone = self.workers.dead()
         if gone:
             raise BackendError(f"tensor-parallel rank {gone[0]} exited with code {gone[1]}")
         self.workers.call(method, *args)
-        return self.workers.wait()[0]
+        return self.workers.wait()
+
+    def _everywhere(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on every rank's runner; rank 0's result."""
+        return self._all_ranks(method, *args)[0]
 
     def memory_info(self) -> tuple[int, int]:
         """Rank 0's ``(free, total)`` device memory (the ranks are alike)."""
@@ -190,11 +194,7 @@ class Executor:
 
     def profile_memory(self, num_tokens: int, num_rows: int, max_model_len: int, dtype: str) -> list[tuple[int, int, int]]:
         """Every rank's ``(free, total, peak)`` after a profiling step (ModelRunner.profile_memory)."""
-        args = (num_tokens, num_rows, max_model_len, dtype)
-        if self.runner is not None:
-            return [self.runner.profile_memory(*args)]
-        self.workers.call("profile_memory", *args)
-        return self.workers.wait()
+        return self._all_ranks("profile_memory", num_tokens, num_rows, max_model_len, dtype)
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str) -> None:
         self._everywhere("initialize_kv_cache", num_blocks, dtype)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.interfaces import (
@@ -100,6 +101,22 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
     return inputs, sampled
 
 
+def prefill_batch(prompts: list[list[int]], block_size: int,
+                  params: SamplingParams | None = None) -> list[ScheduledSeq]:
+    """A step that prefills each prompt whole, from blocks 1, 2, ... laid out one prompt after
+    another (block 0 is never handed out) — for running the model outside the engine's
+    scheduler: profiling, and tests that read a prompt's logits."""
+    scheduled, first = [], 1
+    for i, prompt in enumerate(prompts):
+        count = -(-len(prompt) // block_size)
+        seq = Sequence(seq_id=i, request_id=f"prefill-{i}", index=0, prompt_token_ids=list(prompt),
+                       params=params or SamplingParams(), seed=0, arrival=i,
+                       block_table=list(range(first, first + count)))
+        scheduled.append(ScheduledSeq(seq, len(prompt)))
+        first += count
+    return scheduled
+
+
 class ModelRunner:
     """One rank's model, KV cache and swap space."""
 
@@ -150,36 +167,18 @@ class ModelRunner:
         ``num_rows`` rows — on a throw-away KV cache; return ``(free, total, peak)``: the
         device's memory afterwards and the most the step held at once (the cache included,
         which errs on the safe side)."""
-        bs = self.block_size
         lengths = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
-        blocks = [-(-n // bs) for n in lengths]
-        tables = np.zeros((len(lengths), max(blocks)), dtype=np.int64)
-        first = 1  # block 0 is never handed out
-        for i, count in enumerate(blocks):
-            tables[i, :count] = np.arange(first, first + count)
-            first += count
-        qsl = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=qsl[1:])
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-        seq_of_token = np.repeat(np.arange(len(lengths)), lengths)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=np.array(lengths, dtype=np.int64),
-                                 context_lens=np.zeros(len(lengths), dtype=np.int64), block_tables=tables,
-                                 slot_mapping=slots, block_size=bs)
-        inputs = StepInputs(np.zeros(num_tokens, dtype=np.int64), positions, meta,
-                            np.full(num_rows, num_tokens - 1, dtype=np.int64))
-        rows = np.ones(num_rows, dtype=np.float32)
-        batch = SamplingBatch(
-            temperature=rows, top_p=rows * 0.9, top_k=np.full(num_rows, 50, dtype=np.int64), min_p=rows * 0.05,
-            presence_penalty=rows * 0, frequency_penalty=rows * 0, repetition_penalty=rows,
-            seeds=np.zeros(num_rows, dtype=np.int64), steps=np.zeros(num_rows, dtype=np.int64),
-            prompt_token_ids=[_EMPTY] * num_rows, output_token_ids=[_EMPTY] * num_rows,
-            suppress_token_ids=[_EMPTY] * num_rows,
-        )
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05)
+        scheduled = prefill_batch([[0] * n for n in lengths], self.block_size, params)
+        inputs, sampled = prepare_inputs(scheduled, self.block_size)
+        # every row a step may sample at most, each the last token's
+        inputs.logit_rows = np.full(num_rows, num_tokens - 1, dtype=np.int64)
+        batch = sampling_batch([sampled[-1]] * num_rows, _EMPTY)
+        num_blocks = 1 + sum(len(s.seq.block_table) for s in scheduled)
         kept = self.kv_caches
 
         def step() -> None:
-            self.kv_caches = self._allocate(self.memory.allocate_kv_cache, first, dtype)
+            self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
             try:
                 self.ops.sample(self.run(inputs, eager=True), batch)
             finally:

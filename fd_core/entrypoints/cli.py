@@ -120,8 +120,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of device memory for weights + KV cache (backends that profile memory)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
-                   help="KV-cache size in GiB where the backend does not profile memory (the CPU)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV-cache size in GiB (default: profiled where the backend can, else 2)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV-cache size in blocks")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--quantization", default=None)

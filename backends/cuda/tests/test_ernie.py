@@ -68,21 +68,12 @@ def test_float32_greedy_tokens_match_transformers(ernie):
 
 def _fd_prefill_logits(llm, prompt: list[int]) -> torch.Tensor:
     """Logits of every position of ``prompt`` from fd's runner in one prefill step."""
-    from fd_core.engine.model_runner import StepInputs
-    from fd_core.interfaces import AttentionMetadata
+    from fd_core.engine.model_runner import prefill_batch, prepare_inputs
 
     runner = llm.engine.core.executor.runner
-    bs = runner.block_size
-    n = len(prompt)
-    blocks = -(-n // bs)
-    table = np.arange(1, blocks + 1, dtype=np.int64)[None, :]
-    positions = np.arange(n, dtype=np.int64)
-    meta = AttentionMetadata(
-        query_start_loc=np.array([0, n], dtype=np.int64), seq_lens=np.array([n], dtype=np.int64),
-        context_lens=np.zeros(1, dtype=np.int64), block_tables=table,
-        slot_mapping=table[0, positions // bs] * bs + positions % bs, block_size=bs,
-    )
-    return runner.run(StepInputs(np.array(prompt, dtype=np.int64), positions, meta, positions)).float()
+    inputs, _ = prepare_inputs(prefill_batch([prompt], runner.block_size), runner.block_size)
+    inputs.logit_rows = np.arange(len(prompt), dtype=np.int64)
+    return runner.run(inputs).float()
 
 
 def test_bfloat16_logits_within_tolerance(ernie):
