@@ -77,6 +77,35 @@ def test_incremental_detokenization_equals_full_decode(model_dir):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_catching_up_on_unread_tokens_equals_token_by_token(model_dir):
+    """``catch_up`` (what a final_only step leaves for the end) gives the text that decoding
+    after every token gives, also where the tokens stop inside a multi-byte character."""
+    llm = LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    ids = tok.encode("naïve café 東京 🎉 — ok\n  done 🎉", add_special_tokens=False)
+    cuts = [len(ids)] + [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")][:3]
+    assert len(cuts) > 1  # some prefix ends inside a character
+    for n in cuts:
+        stepwise = detokenizer.TextState([5, 6], SamplingParams())
+        for t in ids[:n]:
+            stepwise.output_token_ids.append(t)
+            detokenizer.append_text(tok, stepwise)
+        at_once = detokenizer.TextState([5, 6], SamplingParams())
+        at_once.output_token_ids.extend(ids[:n])
+        added = detokenizer.catch_up(tok, at_once)
+        assert added == at_once.text == stepwise.text and at_once.read_offset == stepwise.read_offset
+    texts = [o.outputs[0].text for o in llm.generate(prompts(3), SamplingParams(temperature=0, max_tokens=12),
+                                                     use_tqdm=False)]
+    engine = llm.engine  # streamed: a snapshot every step
+    for i, p in enumerate(prompts(3)):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12))
+    streamed = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            streamed[o.request_id] = o.outputs[0].text
+    assert [streamed[str(i)] for i in range(3)] == texts
+
+
 def test_memory_profiling_step_and_kv_budget(model_dir, monkeypatch):
     """The profiling step behind --gpu-memory-utilization, run through the shared runner on the
     CPU with the device's numbers faked: it runs the forward and the sampler once on its own

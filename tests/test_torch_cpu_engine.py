@@ -44,11 +44,11 @@ def test_cpu_op_table_on_torch_is_all_torch_references_without_fallback_warnings
         table = registry.op_table(platform, {"dtype": "float32", "head_dim": 16, "quantization": None})
     assert not caplog.records  # the torch references are the cpu backend's own here
     assert table.runtime == "torch" and not table.missing()
-    for op in OP_SPECS:
+    for op in TORCH_OPS:
         impl = table.choices[op].impl
         assert impl.fn is TORCH_OPS[op] and impl.runtime == "torch", op
         assert impl.fn.__module__ == "fd_core.runtimes.torch.ops"
-    rows = table.describe()
+    rows = [row for row in table.describe() if row[3] != "optional, not provided"]
     assert {impl for _, impl, _, _ in rows} == {"reference"}
     assert all(source == "fd-core" and "fallback" not in why and "torch runtime" in why
                for _, _, source, why in rows)
@@ -161,7 +161,10 @@ def test_fd_backends_and_doctor_show_the_runtimes():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "device cpu (type cpu, runtime torch; also runs on paddle (--runtime))"
-    assert len(lines) == 1 + len(OP_SPECS) and all("for the torch runtime" in line for line in lines[1:])
+    optional = [name for name, s in OP_SPECS.items() if s.optional]
+    assert len(lines) == 1 + len(OP_SPECS)
+    assert all("for the torch runtime" in line for line in lines[1:] if line.split()[0] not in optional)
+    assert all("optional, not provided" in line for line in lines[1:] if line.split()[0] in optional)
 
 
 def test_cli_flag_reaches_the_config():

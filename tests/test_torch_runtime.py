@@ -56,7 +56,8 @@ def paddle_runtime():
 
 
 def test_every_op_has_a_torch_reference():
-    assert set(REFERENCE_OPS) == set(OP_SPECS) == set(TOLERANCES)
+    assert set(REFERENCE_OPS) == {name for name, s in OP_SPECS.items() if not s.optional}
+    assert set(OP_SPECS) == set(TOLERANCES)
 
 
 def test_registry_resolves_the_torch_runtime():

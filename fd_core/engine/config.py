@@ -49,6 +49,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
+    # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         def positive(name: str) -> None:
@@ -71,6 +73,9 @@ class EngineConfig:
             raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.runtime is not None and (not isinstance(self.runtime, str) or not self.runtime):
             raise ConfigError(f"runtime must be a runtime name such as 'paddle' or 'torch', got {self.runtime!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ConfigError("--async-scheduling works with --tensor-parallel-size 1 only (the other ranks "
+                              "would need the sampled tokens on their devices)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

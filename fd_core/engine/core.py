@@ -24,13 +24,13 @@ from fd_core.engine.config import (
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import load_runner
-from fd_core.engine.model_runner import StepResult
+from fd_core.engine.model_runner import PLACEHOLDER, Launched
 from fd_core.engine.sampling_params import SamplingParams
-from fd_core.engine.scheduler import Scheduler
+from fd_core.engine.scheduler import Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
 from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from fd_core.interfaces import Platform
+from fd_core.interfaces import Platform, SampleOutput
 from fd_core.models import TensorParallel
 
 log = logging.getLogger("fd.engine")
@@ -54,13 +54,24 @@ class CoreOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (the same every step)
 
 
+@dataclass
+class _InFlight:
+    """A step queued on the device whose tokens are not read yet. ``slots[row]``: where that
+    row's placeholder sits in its sequence's output; ``read_first``: the next schedule needs
+    its tokens on the host."""
+
+    launched: Launched
+    slots: list[int]
+    read_first: bool
+
+
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
                  max_num_batched_tokens: int, chunked_prefill: bool) -> None:
     """Reject a prompt the engine could never run, with the reason. Used by every front end
     before a request is queued, and by the core itself."""
     if not token_ids:
         raise InvalidRequestError("the prompt is empty")
-    if any(t < 0 or t >= vocab_size for t in token_ids):
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
     if len(token_ids) >= max_model_len:
         raise PromptTooLongError(
@@ -164,6 +175,11 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
         # skip some, recomputation after preemption repeats some)
+        self._in_flight: _InFlight | None = None
+        self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
+        if self.async_scheduling and not self.executor.can_launch:
+            raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
+                              f"for this model (fd doctor lists its ops)")
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
                       "preemptions": 0}
 
@@ -253,11 +269,13 @@ class EngineCore:
             if (index is None or seq.index == index) and not seq.finished:
                 self.scheduler.finish(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # never read
+                    seq.output_token_ids.pop()
         if all(s.finished for s in seqs):
             self.seqs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     @property
     def num_requests(self) -> int:
@@ -266,7 +284,18 @@ class EngineCore:
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
-        """Run one scheduled step; return one CoreOutput per sequence that sampled a token."""
+        """Run one scheduled step; return one CoreOutput per sequence that sampled a token.
+
+        With asynchronous scheduling the step is queued on the device and the tokens returned
+        are the previous step's, read while this one computes: a sequence's input token for
+        this step is taken on the device from that previous sample (its host copy is
+        ``PLACEHOLDER`` until read). A sequence that ended on the previous step's token (EOS, a
+        stop id, an abort) has computed one more step for nothing; its extra token is dropped.
+        Steps whose next schedule needs the tokens on the host (penalties read the output so
+        far; ``n > 1`` forks) are read before the next step is scheduled."""
+        outputs: list[CoreOutput] = []
+        if self._in_flight is not None and self._in_flight.read_first:
+            outputs = self._land()
         out = self.scheduler.schedule()
         self.stats["preemptions"] += len(out.preempted)
         if out.swap_out:
@@ -274,52 +303,94 @@ class EngineCore:
         if out.swap_in:
             self.executor.swap_in(out.swap_in)
         if not out.scheduled:
+            if self._in_flight is not None:  # e.g. every running sequence awaits its last token
+                return outputs + self._land()
             if self.scheduler.has_work() and not out.preempted:
                 raise RuntimeError("the scheduler made no progress; this is a bug in fd")
-            return []
-        result = self.executor.execute(out.scheduled)
+            return outputs
         parents = [s.seq for s in out.scheduled if s.seq.forks and s.samples]
         self.stats["steps"] += 1
         self.stats["prompt_tokens_computed"] += sum(
             max(0, min(s.seq.num_computed + s.num_new, len(s.seq.prompt_token_ids)) - s.seq.num_computed)
             for s in out.scheduled
         )
+        if not self.async_scheduling:
+            result = self.executor.execute(out.scheduled)
+            self._advance(out, parents)
+            return self._apply(result.sampled, result.output)
+        launched = self.executor.launch(out.scheduled, self._in_flight.launched if self._in_flight else None)
+        slots = []
+        for seq in launched.sampled:
+            slots.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(PLACEHOLDER)
+        read_first = bool(parents) or any(
+            s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1
+            for s in launched.sampled)
+        previous, self._in_flight = self._in_flight, _InFlight(launched, slots, read_first)
+        if previous is not None:  # read while the device computes the step just queued
+            outputs += self._read(previous)
+        self._advance(out, parents)
+        return outputs
+
+    def _land(self) -> list[CoreOutput]:
+        """Read and apply the step in flight, taking it out of flight."""
+        flight, self._in_flight = self._in_flight, None
+        return self._read(flight)
+
+    def _read(self, flight: _InFlight) -> list[CoreOutput]:
+        pending = flight.launched.pending
+        return self._apply(flight.launched.sampled, pending.result() if pending else None, flight.slots)
+
+    def _advance(self, out: SchedulerOutput, parents: list[Sequence]) -> None:
         self.scheduler.advance(out)
         for parent in parents:  # the siblings sampled from its logits: now they run on their own
             self.executor.copy_blocks(self.scheduler.fork(parent))
-        return self._apply(result)
 
-    def _apply(self, result: StepResult) -> list[CoreOutput]:
-        if result.output is None:
+    def _apply(self, sampled: list[Sequence], o: SampleOutput | None,
+               slots: list[int] | None = None) -> list[CoreOutput]:
+        """Record each row's token. ``slots``: where each row's placeholder sits in its
+        sequence's output (asynchronous scheduling); None: append."""
+        if o is None:
             return []
-        o = result.output
         outputs = []
         # Python scalars once per array, not one NumPy scalar per row
         tokens, logprobs, ranks = o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist()
         top_ids, top_logprobs = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
-        for row, seq in enumerate(result.sampled):
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
+        for row, seq in enumerate(sampled):
             token = tokens[row]
-            seq.output_token_ids.append(token)
-            k = seq.params.logprobs or 0
+            if slots is None:
+                seq.output_token_ids.append(token)
+                count = len(seq.output_token_ids)
+            elif seq.status is Status.FINISHED:  # it ended (or was aborted) while this step computed
+                continue
+            else:
+                seq.output_token_ids[slots[row]] = token
+                count = slots[row] + 1
+            p = seq.params
+            k = p.logprobs or 0
             top = list(zip(top_ids[row][:k], top_logprobs[row][:k])) if k else []
             output = CoreOutput(seq.request_id, seq.index, token, logprobs[row], ranks[row], top,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
-            self._check_finish(seq, token, output)
+            if (token in eos or p.stop_token_ids or count >= seq.max_tokens
+                    or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
+                self._check_finish(seq, token, output, count)
             outputs.append(output)
         self.stats["generation_tokens"] += len(outputs)
         return outputs
 
-    def _check_finish(self, seq: Sequence, token: int, output: CoreOutput) -> None:
+    def _check_finish(self, seq: Sequence, token: int, output: CoreOutput, count: int) -> None:
+        """``token`` is the ``count``-th of ``seq``'s output."""
         p = seq.params
-        n_out = len(seq.output_token_ids)
         reason = None
-        if n_out >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
+        if count >= p.min_tokens and not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
-        elif n_out >= p.min_tokens and p.stop_token_ids and token in p.stop_token_ids:
+        elif count >= p.min_tokens and p.stop_token_ids and token in p.stop_token_ids:
             reason, output.stop_reason = "stop", token
-        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif count >= seq.max_tokens or len(seq.prompt_token_ids) + count >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            del seq.output_token_ids[count:]  # a placeholder of a step still in flight
             seq.status, seq.finish_reason, output.finish_reason = Status.FINISHED, reason, reason
             self.scheduler.finish(seq)
             if all(s.finished for s in self.seqs[seq.request_id]):

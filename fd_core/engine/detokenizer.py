@@ -62,6 +62,24 @@ def append_text(tokenizer: Tokenizer, state: TextState) -> str:
     return new
 
 
+def catch_up(tokenizer: Tokenizer, state: TextState) -> str:
+    """Decode every token not read yet into ``state.text``, as ``append_text`` after each one
+    would have; returns the text added. At once where they end on a whole character (the
+    usual case), else token by token."""
+    unread = state.num_tokens - state.read_offset
+    if unread <= 1:
+        return append_text(tokenizer, state) if unread else ""
+    start = len(state.text)
+    if not append_text(tokenizer, state):  # they end inside a character, or render as nothing
+        tokens = state.output_token_ids
+        rest = tokens[len(tokens) - unread:]
+        del tokens[len(tokens) - unread:]
+        for token in rest:
+            tokens.append(token)
+            append_text(tokenizer, state)
+    return state.text[start:]
+
+
 def find_stop(state: TextState, new_text_len: int) -> str | None:
     """If a stop string now appears in the output, cut the text there and return it.
 

@@ -35,6 +35,9 @@ import zmq
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.core_process import watch_parent
 from fd_core.engine.model_runner import (
+    PLACEHOLDER,
+    Feed,
+    Launched,
     ModelRunner,
     StepResult,
     prepare_inputs,
@@ -217,6 +220,28 @@ class Executor:
         batch = sampling_batch(sampled, self.eos_token_ids) if sampled else None
         output = self._everywhere("step", inputs, batch)
         return StepResult(sampled, output) if sampled else StepResult([], None)
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether a step can be queued without waiting for its tokens: one rank, in this
+        process, whose op table has ``sample_async``."""
+        return self.runner is not None and self.runner.ops.has("sample_async")
+
+    def launch(self, scheduled: list[ScheduledSeq], previous: Launched | None) -> Launched:
+        """Queue a step on the device and return before its tokens are read (``can_launch``).
+        Input tokens still marked ``PLACEHOLDER`` on the host are taken on the device from
+        ``previous``, the step launched just before, whose tokens the host has not read yet."""
+        inputs, sampled = prepare_inputs(scheduled, self.block_size)
+        batch = sampling_batch(sampled, self.eos_token_ids) if sampled else None
+        feed = None
+        dest = np.flatnonzero(inputs.input_ids == PLACEHOLDER)
+        if dest.size:
+            owners = np.searchsorted(inputs.meta.query_start_loc, dest, side="right") - 1
+            src = np.fromiter((previous.rows[scheduled[i].seq.seq_id] for i in owners.tolist()),
+                              dtype=np.int64, count=dest.size)
+            feed = Feed(previous.pending, dest, src)
+        pending = self.runner.launch(inputs, batch, feed)
+        return Launched(sampled, pending, {s.seq_id: row for row, s in enumerate(sampled)})
 
     def close(self) -> None:
         if self.workers is not None:

@@ -22,6 +22,7 @@ from fd_core.interfaces import (
     AttentionMetadata,
     Memory,
     ModelRunnerHooks,
+    PendingSample,
     RunnerLimits,
     SampleOutput,
     SamplingBatch,
@@ -38,6 +39,30 @@ class StepResult:
 
     sampled: list[Sequence]
     output: SampleOutput | None
+
+
+PLACEHOLDER = -1  # an output token the host has not read yet (asynchronous scheduling)
+
+
+@dataclass
+class Launched:
+    """A step queued on the device whose tokens the host has not read: ``pending.result()``
+    has one row per sequence in ``sampled``; ``rows`` maps a sequence id to its row."""
+
+    sampled: list[Sequence]
+    pending: PendingSample | None
+    rows: dict[int, int]
+
+
+@dataclass
+class Feed:
+    """Input ids of a step that come from the previous step's sample, still on the device:
+    ``ids[dest[j]] = tokens' token_ids[src[j]]`` (a decode row whose last token is not on the
+    host yet)."""
+
+    tokens: PendingSample
+    dest: np.ndarray  # [K] int64, positions in the step's input ids
+    src: np.ndarray  # [K] int64, rows of the previous step's sample
 
 
 @dataclass
@@ -188,19 +213,26 @@ class ModelRunner:
         free, total = self.memory.memory_info()
         return free, total, peak
 
-    def run(self, inputs: StepInputs, eager: bool = False) -> Any:
+    def run(self, inputs: StepInputs, eager: bool = False, feed: Feed | None = None) -> Any:
         """Forward over the step and the logits of its sampling rows (None if there are none).
         Every rank of a tensor-parallel model runs this with the same inputs. ``eager``: the
-        model's own forward, not a hook's replacement."""
+        model's own forward, not a hook's replacement. ``feed``: input ids still on the device
+        (``Feed``), written over the placeholders of ``inputs.input_ids``."""
         n, rows = len(inputs.input_ids), len(inputs.logit_rows)
-        # one upload for the three int64 arrays (a host-to-device copy costs ~10-30 us on a GPU)
-        packed = self.memory.from_numpy(np.concatenate(
-            [self.model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]))
+        parts = [self.model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
+        if feed is not None:
+            parts += [feed.dest, feed.src]
+        # one upload for all the int64 arrays (a host-to-device copy costs ~10-30 us on a GPU)
+        packed = self.memory.from_numpy(np.concatenate(parts))
+        ids = packed[:n]
+        if feed is not None:
+            k = len(feed.dest)
+            ids = feed.tokens.feed(ids, packed[2 * n + rows : 2 * n + rows + k], packed[2 * n + rows + k :])
         forward = self.model.forward if eager else self.forward
-        hidden = forward(packed[:n], packed[n : 2 * n], self.kv_caches, inputs.meta)
+        hidden = forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta)
         if not rows:
             return None
-        return self.model.compute_logits(hidden, packed[2 * n :])
+        return self.model.compute_logits(hidden, packed[2 * n : 2 * n + rows])
 
     def step(self, inputs: StepInputs, batch: SamplingBatch | None) -> SampleOutput | None:
         """``run``, then sample the logits with ``batch`` (a tensor-parallel rank other than 0
@@ -210,12 +242,24 @@ class ModelRunner:
             return None
         return self.ops.sample(logits, batch)
 
+    def launch(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None = None) -> PendingSample | None:
+        """``step`` without waiting for the tokens (the op table's ``sample_async``): the
+        device may still be computing when this returns."""
+        logits = self.run(inputs, feed=feed)
+        if batch is None or logits is None:
+            return None
+        return self.ops.sample_async(logits, batch)
+
 
 def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingBatch:
     """The host-side sampling parameters of the sequences that sample, one row each."""
     params = [s.params for s in seqs]
+    first = params[0] if params else None
+    shared = all(p is first for p in params)  # LLM.generate's one SamplingParams for all
 
     def col(name: str, dtype: Any) -> np.ndarray:
+        if shared:
+            return np.full(len(params), getattr(first, name), dtype=dtype)
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
     penalised = any(

@@ -57,6 +57,7 @@ class OutputProcessor:
         if request is None:
             return None
         for o in request.outputs:
+            detokenizer.catch_up(self.tokenizer, o.state)  # tokens a final_only step left unread
             if o.finish_reason is None:
                 o.finish_reason = "abort"
         return self._snapshot(request)
@@ -86,7 +87,14 @@ class OutputProcessor:
             out.cumulative_logprob += co.logprob
             if request.params.logprobs is not None:
                 out.logprobs.append(self._logprobs(co))
-            new_text = detokenizer.append_text(self.tokenizer, state)
+            if final_only and not request.params.stop_strings:
+                # nobody reads the text before the end: decode it once then
+                if co.finish_reason is not None:
+                    detokenizer.catch_up(self.tokenizer, state)
+                    out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
+                    touched[co.request_id] = request
+                continue
+            new_text = detokenizer.catch_up(self.tokenizer, state)
             if co.finish_reason is not None:
                 out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
             elif len(state.output_token_ids) >= request.params.min_tokens:

@@ -25,12 +25,15 @@ prompt is computed (``fork``).
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
 from fd_core.engine.block_pool import BlockPool
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
+
+_by_arrival = operator.attrgetter("arrival")
 
 
 @dataclass
@@ -86,21 +89,29 @@ class Scheduler:
         out = SchedulerOutput([], [])
         budget = self.max_num_batched_tokens
 
-        queue = deque(sorted(self.running, key=lambda s: s.arrival))
+        queue = deque(sorted(self.running, key=_by_arrival))
         kept: list[Sequence] = []
+        scheduled = out.scheduled
+        block_size = self.pool.block_size
+        # a loop over every running sequence, every step: kept to plain attribute reads
         while queue and budget > 0:
             seq = queue.popleft()
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            outputs = seq.output_token_ids
+            if len(outputs) >= seq.max_tokens:
+                # its last token is still on the device (asynchronous scheduling): nothing to run
+                kept.append(seq)
+                continue
+            num_new = min(len(seq.prompt_token_ids) + len(outputs) - seq.num_computed, budget)
             target = seq.num_computed + num_new
-            need = self.pool.blocks_needed(seq, target)
-            if need:  # most decode steps fit in the last block: nothing to allocate
+            if target > len(seq.block_table) * block_size:  # most decode steps fit the last block
+                need = self.pool.blocks_needed(seq, target)
                 while need > self.pool.num_free and queue:
                     self._preempt(queue.pop(), out)
                 if need > self.pool.num_free:
                     self._preempt(seq, out)
                     continue
                 self.pool.grow(seq, target)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new))
             kept.append(seq)
             budget -= num_new
         kept.extend(queue)  # over budget this step; they stay running and go first next step
@@ -168,9 +179,14 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record that the step ran: its tokens are computed, full blocks join the prefix cache."""
+        block_size, commit = self.pool.block_size, self.pool.enable_caching
         for s in out.scheduled:
-            s.seq.num_computed += s.num_new
-            self.pool.commit(s.seq)
+            seq = s.seq
+            if seq.status is Status.FINISHED:  # ended on the previous step's token while this one ran
+                continue
+            seq.num_computed += s.num_new
+            if commit and seq.num_computed // block_size > seq.num_committed_blocks:  # a block filled up
+                self.pool.commit(seq)
 
     # -- forks and endings -----------------------------------------------------------------
 

@@ -127,6 +127,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue each step before the previous one's tokens reach the host (default: on "
+                        "where the backend supports it)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps, mixed with decodes (default: on where supported)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -147,7 +150,7 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
     )

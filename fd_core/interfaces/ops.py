@@ -12,7 +12,7 @@ where this text and that code disagree, the code is right and this text is a bug
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,6 +24,7 @@ class OpSpec:
     name: str
     signature: str
     doc: str
+    optional: bool = False  # the engine works without it (and uses it where a backend has it)
 
 
 @dataclass
@@ -130,8 +131,21 @@ class SampleOutput:
     top_logprobs: np.ndarray
 
 
-def _spec(name: str, signature: str, doc: str) -> OpSpec:
-    return OpSpec(name=name, signature=signature, doc=doc.strip())
+class PendingSample(Protocol):
+    """What ``sample_async`` returns: a step's sample whose tokens may not be on the host yet."""
+
+    def feed(self, ids: Tensor, dest: Tensor, src: Tensor) -> Tensor:
+        """``ids`` (``T[N]`` int64) with ``ids[dest[j]] = token_ids[src[j]]``, as device work
+        ordered after the sampling: the next step's input tokens, never read by the host."""
+        ...
+
+    def result(self) -> SampleOutput:
+        """The SampleOutput, once it has reached the host (waits for it)."""
+        ...
+
+
+def _spec(name: str, signature: str, doc: str, optional: bool = False) -> OpSpec:
+    return OpSpec(name=name, signature=signature, doc=doc.strip(), optional=optional)
 
 
 OP_SPECS: dict[str, OpSpec] = {
@@ -242,6 +256,20 @@ OP_SPECS: dict[str, OpSpec] = {
             counts the tokens whose raw logit is >= the sampled one's, so ties share the worse
             rank (vLLM's count); ``top_ids`` ties go to the lower id.
             """,
+        ),
+        _spec(
+            "sample_async",
+            "sample_async(logits: T[S, V], batch: SamplingBatch) -> PendingSample",
+            """
+            Optional. ``sample`` without waiting for the host: returns at once a PendingSample
+            whose ``result()`` is exactly ``sample(logits, batch)`` and whose ``feed`` writes the
+            sampled token ids into the next step's input ids on the device. Where a backend has
+            it (and ``--async-scheduling`` is not turned off), the engine queues step t+1 before
+            it reads step t's tokens, so the host's scheduling and output handling overlap the
+            device's work. A backend whose sampler reads the tokens to the host anyway gains
+            nothing from it and should leave it out.
+            """,
+            optional=True,
         ),
     ]
 }

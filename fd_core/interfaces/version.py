@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.2.0"
+API_VERSION = "1.3.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -13,6 +13,8 @@ API_VERSION = "1.2.0"
 #      a seeded request draws other tokens than under 1.1. Memory.profile (where
 #      Capabilities.memory_profiling is declared: --gpu-memory-utilization);
 #      ModelRunnerHooks.wrap_forward(forward, limits) and the replacement's warm_up
+# 1.3: optional ops (OpSpec.optional); the optional sample_async op returning a PendingSample
+#      (feed / result), with which the engine schedules asynchronously (--async-scheduling)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -184,11 +184,17 @@ class OpTable:
             )
         raise AttributeError(name)
 
+    def has(self, op: str) -> bool:
+        return op in self.choices
+
     def missing(self) -> list[str]:
-        return [op for op in OP_SPECS if op not in self.choices]
+        """Ops a model may need that nothing implements (optional ops are not counted)."""
+        return [op for op, spec in OP_SPECS.items() if op not in self.choices and not spec.optional]
 
     def describe(self) -> list[tuple[str, str, str, str]]:
         """``(op, implementation, registered by, why)`` rows, for ``fd doctor`` and logs."""
         rows = [(op, c.impl.name, c.impl.source, c.reason) for op, c in self.choices.items()]
         rows += [(op, "-", "-", "missing") for op in self.missing()]
+        rows += [(op, "-", "-", "optional, not provided") for op, spec in OP_SPECS.items()
+                 if spec.optional and op not in self.choices]
         return rows

@@ -23,6 +23,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "attention": {"rtol": 1e-4, "atol": 1e-5},
     "moe": {"rtol": 1e-4, "atol": 1e-4},
     "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
+    "sample_async": {"rtol": 1e-5, "atol": 1e-5},  # its result(), as sample's
 }
 
 
@@ -351,3 +352,23 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
         top_ids=top_ids,
         top_logprobs=np.take_along_axis(raw, top_ids, axis=1).astype(np.float32),
     )
+
+
+class SampledOnHost:
+    """``sample_async``'s PendingSample for NumPy: the sample is done; ``feed`` scatters it."""
+
+    def __init__(self, output: SampleOutput) -> None:
+        self.output = output
+
+    def feed(self, ids: np.ndarray, dest: np.ndarray, src: np.ndarray) -> np.ndarray:
+        out = np.array(ids, dtype=np.int64)
+        out[dest] = self.output.token_ids[src]
+        return out
+
+    def result(self) -> SampleOutput:
+        return self.output
+
+
+def sample_async(logits: np.ndarray, batch: SamplingBatch) -> SampledOnHost:
+    """``sample``, handed back as a PendingSample (the op's semantics; no asynchrony in NumPy)."""
+    return SampledOnHost(sample(logits, batch))

@@ -2,9 +2,10 @@
 shaped like ERNIE-4.5-0.3B (18 layers, hidden 1024, 16 query / 2 key-value heads of 128,
 intermediate 3072, vocabulary 103,424, tied embeddings), bfloat16, greedy.
 
-    python backends/cuda/benchmarks/e2e.py [--model DIR] [--quick]
+    python backends/cuda/benchmarks/e2e.py [--model DIR] [--no-sync] [--no-eager] [--skip-hf]
 
-Prints, for transformers, fd with CUDA graphs and fd with ``enforce_eager``:
+Prints, for transformers, fd as it runs by default (CUDA graphs, asynchronous scheduling), fd
+with graphs but ``async_scheduling=False``, and fd with ``enforce_eager``:
   * batch 1, 128-token prompt: time per output token (mean over decode steps), beside the HBM
     roofline (weight bytes + KV bytes read per token / the GPU's memory bandwidth);
   * 128 requests of 1,024 prompt tokens, 128 output tokens each, submitted at once: output
@@ -135,11 +136,11 @@ def profiled(enabled: bool, title: str):
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
-def fd_run(model_dir: Path, args, enforce_eager: bool) -> dict:
+def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | None = None) -> dict:
     from fd_core import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=args.prompt_len + args.output_len + 64,
-              max_num_seqs=args.requests, enforce_eager=enforce_eager,
+              max_num_seqs=args.requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
               gpu_memory_utilization=args.gpu_memory_utilization)
     engine = llm.engine
     out = {"kv_cache_blocks": engine.core.pool.num_blocks if hasattr(engine.core.pool, "num_blocks") else None}
@@ -151,9 +152,10 @@ def fd_run(model_dir: Path, args, enforce_eager: bool) -> dict:
     engine.add_request("b1", prompts(1, 128, 1)[0], greedy)
     stamps = []
     with profiled(args.profile, "batch 1"):
+        # no synchronisation: a token is timed when it reaches the host (with asynchronous
+        # scheduling the next step is already queued then)
         while engine.has_unfinished_requests():
             if engine.step():
-                torch.cuda.synchronize()
                 stamps.append(time.perf_counter())
     steps = np.diff(stamps)
     out["batch1_ms_per_token"] = float(np.mean(steps)) * 1e3
@@ -205,6 +207,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also run fd without graphs")
+    ap.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run fd with graphs but without asynchronous scheduling")
     ap.add_argument("--profile", action="store_true", help="cProfile fd's timed runs")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -217,12 +221,15 @@ def main() -> None:
         print("transformers", report["transformers"], flush=True)
     report["fd_graphs"] = fd_run(model_dir, args, enforce_eager=False)
     print("fd (CUDA graphs)", report["fd_graphs"], flush=True)
+    if args.sync:
+        report["fd_graphs_sync"] = fd_run(model_dir, args, enforce_eager=False, async_scheduling=False)
+        print("fd (CUDA graphs, --no-async-scheduling)", report["fd_graphs_sync"], flush=True)
     if args.eager:
         report["fd_eager"] = fd_run(model_dir, args, enforce_eager=True)
         print("fd (eager)", report["fd_eager"], flush=True)
     if "transformers" in report:
         hf = report["transformers"]["throughput_tokens_per_s"]
-        for key in [k for k in ("fd_graphs", "fd_eager") if k in report]:
+        for key in [k for k in ("fd_graphs", "fd_graphs_sync", "fd_eager") if k in report]:
             report[key]["throughput_vs_transformers"] = report[key]["throughput_tokens_per_s"] / hf
     print(json.dumps(report, indent=2))
     if args.json:

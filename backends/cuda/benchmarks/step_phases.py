@@ -1,10 +1,12 @@
 """Where a step's wall time goes: fd's engine functions wrapped in timers, on the model of
 ``e2e.py`` (bfloat16, CUDA graphs), for the batch-1 and the 128-request loads.
 
-    python backends/cuda/benchmarks/step_phases.py
+    python backends/cuda/benchmarks/step_phases.py [--no-async-scheduling]
 
-No synchronisation is added: GPU time shows up in whichever call waits for the GPU (``sample``,
-which copies the tokens to the host). Each load runs twice; the second is the one to read.
+No synchronisation is added: GPU time shows up in whichever call waits for the GPU (reading a
+step's tokens; with asynchronous scheduling that wait overlaps the next step, already queued).
+Each load runs twice; the second is the one to read. ``--no-async-scheduling`` times the
+synchronous engine.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ def instrument(llm: LLM) -> None:
     runner_module.ModelRunner.run = timed("forward + logits (launch)", runner_module.ModelRunner.run)
     core.EngineCore._apply = timed("apply tokens", core.EngineCore._apply)
     output_processor.OutputProcessor.process = timed("detokenize / outputs", output_processor.OutputProcessor.process)
+    from fd_backend_cuda.kernels import sampling
+
     ops = llm.engine.core.ops
-    ops.sample = timed("sample (waits for the GPU)", ops.sample)
+    ops.sample = timed("sample (waits for the GPU)", ops.sample)  # --no-async-scheduling
+    ops.sample_async = timed("sample (launch)", ops.sample_async)
+    sampling.DeviceSample.result = timed("read tokens (waits for the GPU)", sampling.DeviceSample.result)
 
 
 def run(llm: LLM, title: str, prompts, params) -> None:
@@ -66,8 +72,10 @@ def run(llm: LLM, title: str, prompts, params) -> None:
 
 
 def main() -> None:
+    sync = "--no-async-scheduling" in sys.argv
     model = e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
-    llm = LLM(model=str(model), device="cuda", dtype="bfloat16", max_model_len=1300, max_num_seqs=128)
+    llm = LLM(model=str(model), device="cuda", dtype="bfloat16", max_model_len=1300, max_num_seqs=128,
+              async_scheduling=False if sync else None)
     instrument(llm)
     run(llm, "batch 1, 128-token prompt, 257 tokens", e2e.prompts(1, 128, 1),
         SamplingParams(temperature=0, max_tokens=257, ignore_eos=True))

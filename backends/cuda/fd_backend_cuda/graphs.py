@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from fd_core.interfaces import AttentionMetadata, RunnerLimits
+from fd_core.runtimes.torch.ops import upload
 
 from fd_backend_cuda.kernels.attention import static_step_tensors
 
@@ -85,9 +86,9 @@ class _Graph:
         packed[n + s : 2 * n] = 0
         packed[2 * n : 2 * n + s] = meta.slot_mapping
         packed[2 * n + s :] = -1
-        self.packed_device.copy_(torch.from_numpy(packed))
+        upload(packed, self.packed_device.device, into=self.packed_device)
         tables = meta.block_tables
-        self.tensors.block_tables[:s, : tables.shape[1]].copy_(torch.from_numpy(tables.astype(np.int32)))
+        upload(tables.astype(np.int32), self.packed_device.device, into=self.tensors.block_tables[:s, : tables.shape[1]])
         self.graph.replay()
         return self.output[:s]
 

@@ -17,7 +17,8 @@ every op not listed in ``OPS``, to the reference implementation.
   token choice (greedy, temperature, top-k, top-p, min-p, the counter-based noise) and the raw
   logprob and rank in one Triton program per row without sorting; penalties and suppression
   through the torch reference's helpers, top logprobs with ``torch.topk``; one device-to-host
-  copy.
+  copy. ``sample_async`` is the same, returned before that copy lands (pinned memory, an
+  event), so the engine can queue the next step first.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
 from fd_backend_cuda.kernels.rms_norm import rms_norm as _rms_norm
 from fd_backend_cuda.kernels.rotary import rotary as _rotary
+from fd_backend_cuda.kernels.sampling import DeviceSample
 from fd_backend_cuda.kernels.sampling import sample as _sample
+from fd_backend_cuda.kernels.sampling import sample_async as _sample_async
 
 Tensor = torch.Tensor
 
@@ -57,6 +60,10 @@ SUPPORTED: dict[str, dict] = {
     "sample": {
         "dtypes": FLOAT_DTYPES,
         "note": "any V; top-k/top-p by threshold search (no sort); math in float32",
+    },
+    "sample_async": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "sample's kernel; the host copy is not waited for",
     },
 }
 
@@ -103,10 +110,15 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     return _sample(logits, batch)
 
 
+def sample_async(logits: Tensor, batch: SamplingBatch) -> DeviceSample:
+    return _sample_async(logits, batch)
+
+
 OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotary": rotary,
     "silu_and_mul": silu_and_mul,
     "attention": attention,
     "sample": sample,
+    "sample_async": sample_async,
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.2"  # its sample op draws with 1.2's counter-based noise
+FD_API_VERSION = "1.3"  # sample_async (1.3); sample draws with 1.2's counter-based noise
 
 
 @hookimpl

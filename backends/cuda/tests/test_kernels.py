@@ -404,4 +404,4 @@ def test_supports():
     assert not ops.supports("attention", torch.float16, 512)
     assert not ops.supports("rms_norm", torch.int32)
     assert not ops.supports("moe")
-    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample"}
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample", "sample_async"}

@@ -252,8 +252,27 @@ def test_sample_leaves_the_logits_untouched_and_handles_no_rows():
     assert empty.token_ids.shape == (0,) and empty.top_ids.shape == (0, 2)
 
 
+def test_sample_async_is_sample_and_feeds_the_next_ids():
+    """``sample_async``: ``result()`` is ``sample``'s (the spec's), and ``feed`` writes the
+    sampled tokens into a later step's ids on the device, before the host has read them."""
+    rng = np.random.default_rng(9)
+    logits = logits_like_a_model(rng, 4, 3001)
+    batch = mixed_batch(rng, 4, 3001, list(MODES), num_logprobs=2)
+    pending = ops.sample_async(torch.from_numpy(logits).to(DEVICE), batch)
+    ids = torch.tensor([-1, 5, -1, -1, 7], dtype=torch.int64, device=DEVICE)
+    dest = torch.tensor([0, 2, 3], device=DEVICE)
+    src = torch.tensor([3, 0, 1], device=DEVICE)
+    fed = pending.feed(ids, dest, src).cpu().numpy()  # queued behind the sampling kernel
+    expected = spec.sample_async(logits, batch)
+    result = pending.result()
+    np.testing.assert_array_equal(result.token_ids, expected.result().token_ids)
+    np.testing.assert_array_equal(result.top_ids, expected.result().top_ids)
+    np.testing.assert_allclose(result.logprobs, expected.result().logprobs, **spec.TOLERANCES["sample_async"])
+    np.testing.assert_array_equal(fed, expected.feed(np.array([-1, 5, -1, -1, 7]), [0, 2, 3], [3, 0, 1]))
+
+
 def test_supports_and_registration():
-    assert ops.OPS["sample"] is ops.sample
+    assert ops.OPS["sample"] is ops.sample and ops.OPS["sample_async"] is ops.sample_async
     assert all(ops.supports("sample", d) for d in (torch.float32, torch.float16, torch.bfloat16))
     assert not ops.supports("sample", torch.int8)
 

@@ -10,7 +10,7 @@ import torch
 
 from fd_core.runtimes.host import host_memory
 from fd_core.runtimes.host_plan import block_rows
-from fd_core.runtimes.torch.ops import put_rows, take_rows
+from fd_core.runtimes.torch.ops import put_rows, take_rows, upload
 
 Tensor = torch.Tensor
 
@@ -60,7 +60,10 @@ class TorchMemory:
         # torch.tensor copies (torch.from_numpy would share a CPU array's memory, which the
         # caller may write to later, and warns on the read-only arrays of a memory-mapped
         # checkpoint). NumPy has no bfloat16, so a cast happens on the device, after the upload.
-        tensor = torch.tensor(np.ascontiguousarray(array), device=self.torch_device)
+        if self.torch_device.type == "cpu":
+            tensor = torch.tensor(np.ascontiguousarray(array))
+        else:
+            tensor = upload(array, self.torch_device)  # a copy through pinned memory
         if dtype is not None:
             tensor = tensor.to(torch_dtype(dtype))
         return tensor

@@ -40,10 +40,26 @@ def _to(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _upload(array: np.ndarray, device: torch.device) -> Tensor:
-    """A host array on ``device``; on the CPU it may share the array's memory (callers pass
-    temporaries they never write again)."""
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+_PINNED_UPLOAD_BYTES = 4 << 20  # a step's inputs are far smaller
+
+
+def upload(array: np.ndarray, device: torch.device, into: Tensor | None = None) -> Tensor:
+    """A host array on ``device`` (or copied into the device tensor ``into``); on the CPU it may
+    share the array's memory (callers pass temporaries they never write again).
+
+    On a GPU the copy goes through pinned memory and is not waited for: torch copies from
+    pageable memory with a stream synchronisation, which would hold the host until the device
+    has finished all the work queued before it (and so undo asynchronous scheduling). The
+    pinned block is not reused before the copy has run (torch's host allocator records it).
+    Large arrays (weights, at load time) are copied the plain way: torch keeps pinned blocks
+    cached, and pinning a whole checkpoint would hold as much host memory."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type == "cuda" and host.nbytes <= _PINNED_UPLOAD_BYTES:
+        host = host.pin_memory()
+        if into is not None:
+            return into.copy_(host, non_blocking=True)
+        return host.to(device, non_blocking=True)
+    return host.to(device) if into is None else into.copy_(host)
 
 
 def _host(x: Tensor) -> np.ndarray:
@@ -151,7 +167,7 @@ def _plan(
         meta,
         f"torch.attention/{num_kv_heads}@{device}",
         num_kv_heads,
-        lambda array: _upload(array, device),
+        lambda array: upload(array, device),
         lambda mask: mask[:, None, None, :],
         lambda mask: mask[:, None, :],
     )
@@ -268,10 +284,10 @@ def moe(
     flat_weights = weights.reshape(-1, 1)
     outputs = []
     for e, pairs in groups:
-        hidden = linear(take_rows(h, _upload(pairs // top_k, h.device)), _f32_weight(gate_up[e]))
+        hidden = linear(take_rows(h, upload(pairs // top_k, h.device)), _f32_weight(gate_up[e]))
         y = linear(silu_and_mul(hidden), _f32_weight(down[e]))
-        outputs.append(y * take_rows(flat_weights, _upload(pairs, h.device)))
-    index = _upload(np.concatenate([pairs // top_k for _, pairs in groups]), h.device)
+        outputs.append(y * take_rows(flat_weights, upload(pairs, h.device)))
+    index = upload(np.concatenate([pairs // top_k for _, pairs in groups]), h.device)
     out = torch.zeros_like(h).index_add_(0, index, torch.cat(outputs))
     return _to(out, x.dtype)
 
@@ -309,7 +325,7 @@ def sampling_noise(
     tensors do."""
     if torch.device(device).type == "cpu":
         return torch.from_numpy(host_plan.noise(batch, rows, vocab))
-    return _tensor_noise(_upload(host_plan.noise_keys(batch, rows), device), vocab)
+    return _tensor_noise(upload(host_plan.noise_keys(batch, rows), device), vocab)
 
 
 def _tensor_noise(keys: Tensor, vocab: int) -> Tensor:
@@ -322,7 +338,7 @@ def _tensor_noise(keys: Tensor, vocab: int) -> Tensor:
 
 def _column(values: np.ndarray, device: torch.device) -> Tensor:
     """A per-row host parameter as a float32 ``[S, 1]`` device column, to broadcast over V."""
-    return _upload(np.asarray(values, dtype=np.float32)[:, None], device)
+    return upload(np.asarray(values, dtype=np.float32)[:, None], device)
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -337,7 +353,7 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     def dense(index: np.ndarray, values: np.ndarray, fill: float) -> Tensor:
         base = torch.full((num_rows * vocab,), fill, dtype=_F32, device=device)
         if len(index):
-            base[_upload(index, device)] = _upload(values, device)
+            base[upload(index, device)] = upload(values, device)
         return base.reshape(num_rows, vocab)
 
     factor = dense(where.seen, where.factors, 1.0)
@@ -355,7 +371,7 @@ def suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     index = host_plan.suppressed(batch, vocab)
     if not len(index):
         return x
-    out = x.reshape(-1).index_fill(0, _upload(index, x.device), float("-inf"))
+    out = x.reshape(-1).index_fill(0, upload(index, x.device), float("-inf"))
     return out.reshape(num_rows, vocab)
 
 
@@ -388,8 +404,8 @@ def _top_k(z: Tensor, top_k: np.ndarray, limited: np.ndarray) -> tuple[Tensor, T
     the top ``max(k)`` values of the result, best first."""
     device = z.device
     best = torch.topk(z, int(top_k[limited].max()), dim=-1).values
-    kth = torch.gather(best, -1, _upload(np.where(limited, top_k - 1, 0)[:, None], device))
-    kth = torch.where(_upload(limited[:, None], device), kth, torch.full_like(kth, -np.inf))
+    kth = torch.gather(best, -1, upload(np.where(limited, top_k - 1, 0)[:, None], device))
+    kth = torch.where(upload(limited[:, None], device), kth, torch.full_like(kth, -np.inf))
     z = torch.where(z >= kth, z, torch.full_like(z, -np.inf))
     best = torch.where(best >= kth, best, torch.full_like(best, -np.inf))
     return z, best
@@ -412,7 +428,7 @@ def _top_p(
     keep = torch.sum(before < top_p, dim=-1, keepdim=True)
     edge = torch.gather(ordered, -1, torch.clamp(keep, min=1) - 1)
     # Rows without top-p get edge 0, which keeps every token.
-    edge = torch.where(_upload(nucleus[:, None], probs.device), edge, torch.zeros_like(edge))
+    edge = torch.where(upload(nucleus[:, None], probs.device), edge, torch.zeros_like(edge))
     return torch.where(probs >= edge, probs, torch.zeros_like(probs))
 
 
@@ -467,14 +483,14 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         token_ids = _host(tokens).reshape(-1).astype(np.int64)
     else:
         rows = np.flatnonzero(~greedy)
-        sub = x if len(rows) == num_rows else take_rows(x, _upload(rows, device))
+        sub = x if len(rows) == num_rows else take_rows(x, upload(rows, device))
         weights = _draw_weights(sub, batch, rows)
         noise = sampling_noise(batch, rows, vocab, device)
         token_ids = np.zeros(num_rows, dtype=np.int64)
         token_ids[rows] = _host(torch.argmax(weights / noise, dim=-1))
         if greedy.any():
             token_ids[greedy] = _host(torch.argmax(x, dim=-1))[greedy]
-        tokens = _upload(token_ids[:, None], device)
+        tokens = upload(token_ids[:, None], device)
 
     chosen = torch.gather(raw, -1, tokens)
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from fd_core.runtimes.torch import ops as torch_ops
 
 from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2
 
@@ -315,7 +316,7 @@ class Launch:
 
 
 def _upload(array: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).to(device)
+    return torch_ops.upload(np.asarray(array, dtype=dtype), device)
 
 
 def step_tensors(meta, device: torch.device) -> StepTensors:

@@ -503,7 +503,7 @@ def draw(
         ],
         axis=1,
     )
-    params = torch.from_numpy(params).to(x.device)  # one upload for every per-row parameter
+    params = torch_ops.upload(params, x.device)  # one upload for every per-row parameter
     ids = torch.empty(rows, cap, dtype=torch.int32, device=x.device)
     xs = torch.empty(rows, cap, dtype=torch.float32, device=x.device)
     if block is None:
@@ -554,9 +554,16 @@ def _top_ids(raw: torch.Tensor, k: int) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, cap: int = CAP, block: int | None = None
 ) -> SampleOutput:
-    """The ``sample`` op: penalties and suppression (the torch reference's, only where the batch
-    has them), then ``_sample_kernel`` (token, raw logprob, rank), and the top logprobs with
-    torch ops when asked; everything comes to the host in one copy at the end."""
+    """The ``sample`` op: ``sample_async``'s result."""
+    return sample_async(logits, batch, cap, block).result()
+
+
+def sample_async(
+    logits: torch.Tensor, batch: SamplingBatch, cap: int = CAP, block: int | None = None
+) -> DeviceSample:
+    """The ``sample_async`` op: penalties and suppression (the torch reference's, only where the
+    batch has them), then ``_sample_kernel`` (token, raw logprob, rank), and the top logprobs
+    with torch ops when asked; one device-to-host copy, not waited for."""
     check_float("sample: logits", logits)
     raw = logits.float()
     if raw.stride(-1) != 1:
@@ -577,15 +584,40 @@ def sample(
         lse = packed[:, 3:].to(torch.int32).view(torch.float32)
         top = _top_ids(raw, k)
         packed = torch.cat([packed, top, _float_bits(torch.gather(raw, -1, top) - lse)], dim=-1)
-    host = packed.cpu().numpy()
+    return DeviceSample(packed, k)
 
-    def floats(a: np.ndarray) -> np.ndarray:
-        return a.astype(np.int32).view(np.float32)
 
-    return SampleOutput(
-        token_ids=host[:, 0].copy(),
-        logprobs=floats(host[:, 2]),
-        ranks=host[:, 1].copy(),
-        top_ids=host[:, 4 : 4 + k].copy(),
-        top_logprobs=floats(host[:, 4 + k : 4 + 2 * k]).reshape(rows, k),
-    )
+class DeviceSample:
+    """A step's sample on the device (``PendingSample``): int64 ``[S, 4 + 2k]`` rows of token,
+    rank, raw-logprob bits, logsumexp bits, then top ids and their logprob bits; the host copy
+    lands in pinned memory behind an event, so nothing waits until ``result``."""
+
+    def __init__(self, packed: torch.Tensor, k: int) -> None:
+        self.packed, self.k = packed, k
+        self.done: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = packed
+
+    def feed(self, ids: torch.Tensor, dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return ids.index_copy_(0, dest, self.packed[:, 0].index_select(0, src))
+
+    def result(self) -> SampleOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        host, k = self.host.numpy(), self.k
+
+        def floats(a: np.ndarray) -> np.ndarray:
+            return a.astype(np.int32).view(np.float32)
+
+        return SampleOutput(
+            token_ids=host[:, 0].copy(),
+            logprobs=floats(host[:, 2]),
+            ranks=host[:, 1].copy(),
+            top_ids=host[:, 4 : 4 + k].copy(),
+            top_logprobs=floats(host[:, 4 + k : 4 + 2 * k]).reshape(len(host), k),
+        )

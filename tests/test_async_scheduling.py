@@ -1,0 +1,167 @@
+"""Asynchronous scheduling (``sample_async``): the engine queues step t+1 before it reads step
+t's tokens. On the CPU no op is asynchronous, so the cpu backend leaves ``sample_async`` out;
+here a test registers one (the Paddle reference's sample, handed back as a PendingSample whose
+``feed`` scatters on the host) and every scheduling path must give what the synchronous engine
+gives: tokens, logprobs, finish reasons, and a clean block pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")  # the checkpoint is built with transformers
+
+from fd_core import LLM, SamplingParams  # noqa: E402
+from fd_core.engine.config import EngineConfig  # noqa: E402
+from fd_core.engine.model_runner import PLACEHOLDER  # noqa: E402
+from fd_core.errors import ConfigError  # noqa: E402
+from fd_core.plugins import registry as registry_module  # noqa: E402
+from fd_core.plugins.registry import BackendRegistry  # noqa: E402
+from tests import checkpoints  # noqa: E402
+
+
+class HostFed:
+    """A PendingSample over Paddle tensors whose tokens are already on the host. Counts its
+    uses, so the tests can tell the asynchronous path ran."""
+
+    fed = 0
+
+    def __init__(self, output) -> None:
+        self.output = output
+
+    def feed(self, ids, dest, src):
+        import paddle
+
+        HostFed.fed += 1
+        out = ids.numpy().copy()
+        assert (out[dest.numpy()] == PLACEHOLDER).all()  # only placeholders are written over
+        out[dest.numpy()] = self.output.token_ids[src.numpy()]
+        return paddle.to_tensor(out, place=ids.place)
+
+    def result(self):
+        return self.output
+
+
+@pytest.fixture()
+def async_cpu(monkeypatch):
+    """The process registry with a ``sample_async`` for the cpu device."""
+    from fd_core.runtimes.paddle.ops import REFERENCE_OPS
+
+    registry = BackendRegistry()
+    sample = REFERENCE_OPS["sample"]
+    registry.ops.register("sample_async", "cpu", lambda logits, batch: HostFed(sample(logits, batch)),
+                          name="host-fed", runtime="paddle")
+    monkeypatch.setattr(registry_module, "_registry", registry)
+    HostFed.fed = 0
+    return registry
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return checkpoints.make_llama(tmp_path_factory.mktemp("async"))
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 400, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def generate(model_dir, params, prompt_list=None, **engine_args):
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, **engine_args)
+    outs = llm.generate(prompt_list or prompts(12), params, use_tqdm=False)
+    pool = llm.engine.pool
+    assert pool.num_free == pool.capacity  # every block came back
+    assert not llm.engine.core.has_unfinished_requests()
+    return llm, [[(c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in o.outputs]
+                 for o in outs]
+
+
+def compare(model_dir, params, prompt_list=None, fed=True, **engine_args):
+    """``fed``: whether some step's input tokens came from the device (False: every step's
+    tokens had to be read first)."""
+    reference, sync = generate(model_dir, params, prompt_list, async_scheduling=False, **engine_args)
+    before = HostFed.fed
+    llm, overlapped = generate(model_dir, params, prompt_list, **engine_args)
+    assert llm.engine.core.async_scheduling and (HostFed.fed > before) == fed
+    # a sequence that stopped still fills a row of the step queued after its last token, so
+    # the batches differ and the float32 sums may round differently
+    assert [[c[:3] for c in o] for o in overlapped] == [[c[:3] for c in o] for o in sync]
+    np.testing.assert_allclose([c[3] for o in overlapped for c in o], [c[3] for o in sync for c in o], rtol=1e-5)
+    compare.steps = reference.engine.stats["steps"], llm.engine.stats["steps"]
+    return sync
+
+
+SETTINGS = {
+    "plain": {"num_kv_blocks": 512},
+    "chunked": {"num_kv_blocks": 512, "max_num_batched_tokens": 7},  # decodes mixed with chunks
+    "preempt-recompute": {"num_kv_blocks": 4 * 15 + 1},
+    "preempt-swap": {"num_kv_blocks": 4 * 15 + 1, "swap_space": 0.01},
+    "few-seqs": {"num_kv_blocks": 512, "max_num_seqs": 3},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True, logprobs=2),
+], ids=["greedy", "seeded"])
+def test_async_scheduling_gives_the_synchronous_outputs(async_cpu, model_dir, setting, params):
+    compare(model_dir, params, **SETTINGS[setting])
+    if "preempt" not in setting:
+        # a sequence whose last token is in flight is not scheduled again: no step is wasted
+        # (under preemption the schedules may differ: it holds its blocks one step longer)
+        sync_steps, async_steps = compare.steps
+        assert async_steps == sync_steps
+
+
+def test_stops_mid_flight_drop_the_extra_token(async_cpu, model_dir):
+    """A stop id ends a sequence on a token read one step late: the step already queued for it
+    is wasted, its token never shows, and its blocks are freed."""
+    _, sync = generate(model_dir, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       async_scheduling=False, num_kv_blocks=512)
+    stop_ids = sorted({out[0][0][4] for out in sync})[:4]  # fifth tokens of some prompts
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stop_ids, min_tokens=2)
+    result = compare(model_dir, params, num_kv_blocks=512)
+    assert sum(out[0][1] == "stop" for out in result) >= 2
+    assert all(PLACEHOLDER not in out[0][0] for out in result)
+
+
+def test_forks_and_penalties_read_the_tokens_first(async_cpu, model_dir):
+    compare(model_dir, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True),
+            prompts(4), num_kv_blocks=512)
+    # penalties read every output token so far: no step is queued before the last is read
+    compare(model_dir, SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True,
+                                      presence_penalty=0.5, repetition_penalty=1.3),
+            prompts(6), fed=False, num_kv_blocks=512)
+
+
+def test_stop_strings_and_aborts(async_cpu, model_dir):
+    """The front end aborts a request whose text hit a stop string; an abort between steps
+    drops a token in flight. Neither may leak a block or a placeholder."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(prompts(5)):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(3):
+        engine.step()
+    seq = engine.core.seqs["r1"][0]
+    engine.abort_request("r1")
+    assert PLACEHOLDER not in seq.output_token_ids
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o
+    assert set(finished) == {"r0", "r2", "r3", "r4"}
+    assert all(len(o.outputs[0].token_ids) == 40 for o in finished.values())
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_async_scheduling_refused_where_impossible(model_dir):
+    with pytest.raises(ConfigError, match="tensor-parallel-size 1"):
+        EngineConfig(model=str(model_dir), async_scheduling=True, tensor_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="no sample_async"):
+        LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64, async_scheduling=True)
+    llm = LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64)
+    assert not llm.engine.core.async_scheduling  # the cpu backend has no sample_async
