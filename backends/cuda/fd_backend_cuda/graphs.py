@@ -127,6 +127,41 @@ class GraphedForward:
             self._graph(size, kv_caches, device)
         log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s",
                  ", ".join(map(str, self.sizes)), time.perf_counter() - start)
+        start = time.perf_counter()
+        count = self.warm_eager_steps(kv_caches, device)
+        log.info("compiled the kernels of eager steps (%d synthetic steps) in %.1f s", count,
+                 time.perf_counter() - start)
+
+    def warm_eager_steps(self, kv_caches: list, device: torch.device) -> int:
+        """Run, at start-up, eager steps shaped so that every attention launch variant an
+        eager (prefill or mixed) step can pick gets compiled now rather than in the middle of
+        serving (a Triton compile stalls every stream for a second or more): both tiles — one
+        token per sequence, and chunks of 32 — at every split-K factor, which the planner
+        derives from the number of programs and the longest key range. The steps read block 0,
+        which no sequence owns, and write nothing (slot -1)."""
+        limits = self.limits
+        num_kv_heads = kv_caches[0][0].shape[1]
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        steps = 0
+        for chunk in (1, 32):
+            keys = min(limits.max_model_len, 8192 + chunk)  # enough keys for the most splits
+            seqs = 1
+            while seqs * chunk <= limits.max_num_batched_tokens and seqs * num_kv_heads <= 2 * sms:
+                n = seqs * chunk
+                meta = AttentionMetadata(
+                    query_start_loc=np.arange(seqs + 1, dtype=np.int64) * chunk,
+                    seq_lens=np.full(seqs, keys, dtype=np.int64),
+                    context_lens=np.full(seqs, keys - chunk, dtype=np.int64),
+                    block_tables=np.zeros((seqs, -(-keys // limits.block_size)), dtype=np.int64),
+                    slot_mapping=np.full(n, -1, dtype=np.int64),
+                    block_size=limits.block_size,
+                )
+                positions = torch.from_numpy(np.tile(np.arange(keys - chunk, keys), seqs)).to(device)
+                self.forward(torch.zeros(n, dtype=torch.int64, device=device), positions, kv_caches, meta)
+                steps += 1
+                seqs *= 2
+        torch.cuda.synchronize()
+        return steps
 
     def _graph(self, size: int, kv_caches: list, device: torch.device) -> _Graph:
         if kv_caches is not self.kv_caches:  # a new KV cache: graphs captured on the old are stale

@@ -100,7 +100,9 @@ def _kv_write_kernel(
     tl.store(dst, vx.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The counts that change from step to step are not specialised on (Triton would compile a
+# variant for each new divisibility by 16, in the middle of serving).
+@triton.jit(do_not_specialize=["num_items", "bt_stride"])
 def _attention_kernel(
     q_ptr,
     kc_ptr,
@@ -231,7 +233,7 @@ def _attention_kernel(
         tl.store(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def _combine_kernel(
     part_m_ptr,
     part_l_ptr,
