@@ -77,8 +77,8 @@ def generate(model_dir, params, prompt_list=None, **engine_args):
 
 
 def compare(model_dir, params, prompt_list=None, fed=True, **engine_args):
-    """``fed``: whether some step's input tokens came from the device (False: every step's
-    tokens had to be read first)."""
+    """The outputs of both engines (equal) and their step counts. ``fed``: whether some step's
+    input tokens came from the device (False: every step's tokens had to be read first)."""
     reference, sync = generate(model_dir, params, prompt_list, async_scheduling=False, **engine_args)
     before = HostFed.fed
     llm, overlapped = generate(model_dir, params, prompt_list, **engine_args)
@@ -87,8 +87,7 @@ def compare(model_dir, params, prompt_list=None, fed=True, **engine_args):
     # the batches differ and the float32 sums may round differently
     assert [[c[:3] for c in o] for o in overlapped] == [[c[:3] for c in o] for o in sync]
     np.testing.assert_allclose([c[3] for o in overlapped for c in o], [c[3] for o in sync for c in o], rtol=1e-5)
-    compare.steps = reference.engine.stats["steps"], llm.engine.stats["steps"]
-    return sync
+    return sync, (reference.engine.stats["steps"], llm.engine.stats["steps"])
 
 
 SETTINGS = {
@@ -106,11 +105,10 @@ SETTINGS = {
     SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True, logprobs=2),
 ], ids=["greedy", "seeded"])
 def test_async_scheduling_gives_the_synchronous_outputs(async_cpu, model_dir, setting, params):
-    compare(model_dir, params, **SETTINGS[setting])
+    _, (sync_steps, async_steps) = compare(model_dir, params, **SETTINGS[setting])
     if "preempt" not in setting:
         # a sequence whose last token is in flight is not scheduled again: no step is wasted
         # (under preemption the schedules may differ: it holds its blocks one step longer)
-        sync_steps, async_steps = compare.steps
         assert async_steps == sync_steps
 
 
@@ -121,7 +119,7 @@ def test_stops_mid_flight_drop_the_extra_token(async_cpu, model_dir):
                        async_scheduling=False, num_kv_blocks=512)
     stop_ids = sorted({out[0][0][4] for out in sync})[:4]  # fifth tokens of some prompts
     params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=stop_ids, min_tokens=2)
-    result = compare(model_dir, params, num_kv_blocks=512)
+    result, _ = compare(model_dir, params, num_kv_blocks=512)
     assert sum(out[0][1] == "stop" for out in result) >= 2
     assert all(PLACEHOLDER not in out[0][0] for out in result)
 

@@ -173,13 +173,13 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
-        # skip some, recomputation after preemption repeats some)
         self._in_flight: _InFlight | None = None
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
                               f"for this model (fd doctor lists its ops)")
+        # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
+        # skip some, recomputation after preemption repeats some)
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
                       "preemptions": 0}
 
