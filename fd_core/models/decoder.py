@@ -221,9 +221,10 @@ class DecoderForCausalLM:
         """The step's token ids as rows of this rank's embedding (the ids themselves on one rank)."""
         return self.tp.local_token_ids(ids, self.config.vocab_size)
 
-    def compute_logits(self, hidden: Tensor, row_indices: Tensor) -> Tensor:
-        """Logits ``[len(row_indices), V]`` of the selected rows, in float32."""
-        rows = self.ops.embedding(hidden, row_indices)  # embedding is exactly a row gather
+    def compute_logits(self, hidden: Tensor, row_indices: Tensor | None) -> Tensor:
+        """Logits ``[len(row_indices), V]`` of the selected rows (None: every row, in order)."""
+        # embedding is exactly a row gather
+        rows = hidden if row_indices is None else self.ops.embedding(hidden, row_indices)
         logits = self.ops.linear(rows, self.lm_head)
         if not self.tp.enabled:
             return logits

@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from fd_core.interfaces.ops import AttentionMetadata, SamplingBatch
-from fd_core.runtimes import host_plan
 from fd_core.runtimes.torch import ops as torch_ops
 
 from fd_backend_cuda import ops
@@ -139,13 +138,12 @@ def bench_sample(rows: int = 128, vocab: int = 103424) -> None:
     for name, params in mixes.items():
         batch = sampling_batch(rows, *params)
         top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
-        keys = host_plan.noise_keys(batch, np.arange(rows))
         title = f"sample {rows}x{vocab} {name}"
         t = ms(lambda b=batch: ops.sample(logits, b))
         line(f"{title}: triton op", t, f"{rows * vocab * 4 / t / 1e6:7.0f} GB/s (one read)")
         t = ms(
-            lambda b=batch, k=top_k, s=keys: draw(
-                logits, logits, b.temperature, k, b.top_p, b.min_p, s
+            lambda b=batch, k=top_k: draw(
+                logits, logits, b.temperature, k, b.top_p, b.min_p, b.seeds, b.steps
             )
         )
         line(f"{title}:   kernel only", t, "")

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 from fd_core.interfaces.ops import SampleOutput, SamplingBatch
-from fd_core.runtimes import host_plan
 from fd_core.runtimes.torch import ops as torch_ops
 from triton.language.extra import libdevice
 
@@ -77,6 +76,28 @@ def _lowbias32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
+
+
+@triton.jit
+def _fmix32(x):
+    """``fd_core.testing.spec._fmix32`` on uint32 (multiplications wrap mod 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_keys(seed, step):
+    """``fd_core.testing.spec.sampling_keys`` of one row, from its int64 seed and step (on the
+    device: the host's NumPy version costs ~20 small array operations a step)."""
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = (seed >> 32).to(tl.uint32)
+    st = (step & 0xFFFFFFFF).to(tl.uint32)
+    key0 = _fmix32(_fmix32(_fmix32(lo ^ 0x243F6A88) ^ hi) ^ st)
+    key1 = _fmix32(_fmix32(_fmix32(st ^ 0x85A308D3) ^ lo) ^ hi)
+    return key0, key1
 
 
 @triton.jit
@@ -403,15 +424,15 @@ def _sample_kernel(
         lane_max = tl.where(bigger, x, lane_max)
     best, token = _lowest_argmax(lane_max, lane_id)
 
-    # Per-row parameters, one int64 each: float32 bit patterns, then top_k and the noise keys.
+    # Per-row parameters, one int64 each: float32 bit patterns, then top_k, seed and step.
     params = params_ptr + i * 6
     temperature = tl.load(params).to(tl.int32).to(tl.float32, bitcast=True)
     if temperature != 0.0:
         top_p = tl.load(params + 1).to(tl.int32).to(tl.float32, bitcast=True)
         min_p = tl.load(params + 2).to(tl.int32).to(tl.float32, bitcast=True)
         top_k = tl.load(params + 3)  # 0 when off
-        race = (tl.zeros([], tl.float32), tl.load(params + 4).to(tl.uint32),
-                tl.load(params + 5).to(tl.uint32))  # fmt: skip
+        key0, key1 = _row_keys(tl.load(params + 4), tl.load(params + 5))
+        race = (tl.zeros([], tl.float32), key0, key1)
         row = (x_row, ids_ptr + i * CAP, xs_ptr + i * CAP, best, temperature)
         n = vocab
         compact = tl.zeros([], tl.int32)
@@ -479,14 +500,15 @@ def draw(
     top_k: np.ndarray,
     top_p: np.ndarray,
     min_p: np.ndarray,
-    keys: np.ndarray,
+    seeds: np.ndarray,
+    steps: np.ndarray,
     cap: int = CAP,
     block: int | None = None,
 ) -> torch.Tensor:
     """One launch for a step's rows: float32 logits ``x [S, V]`` after penalties and suppression
     (``raw`` before them: the same tensor where the batch has neither), per-row host parameters
-    (``top_k`` 0 where off, ``keys`` the rows' int64 ``[S, 2]`` noise key words from
-    ``host_plan.noise_keys``). Returns int64 ``[S, 4]`` on the device: token id, rank, and the
+    (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch, from which the kernel
+    derives each row's noise keys). Returns int64 ``[S, 4]`` on the device: token id, rank, and the
     float32 bit patterns of the token's raw logprob and of the row's raw logsumexp. ``cap``:
     candidates a search gathers into scratch (a power of two; small values exercise the
     gathering in tests)."""
@@ -499,7 +521,8 @@ def draw(
         [
             floats.view(np.int32).astype(np.int64),
             np.asarray(top_k, dtype=np.int64)[:, None],
-            np.asarray(keys, dtype=np.int64).reshape(rows, 2),
+            np.asarray(seeds, dtype=np.int64)[:, None],
+            np.asarray(steps, dtype=np.int64)[:, None],
         ],
         axis=1,
     )
@@ -575,9 +598,9 @@ def sample_async(
     x = x.contiguous()
 
     top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
-    keys = host_plan.noise_keys(batch, np.arange(rows))
     packed = draw(
-        x, raw, batch.temperature, top_k, batch.top_p, batch.min_p, keys, cap=cap, block=block
+        x, raw, batch.temperature, top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps,
+        cap=cap, block=block,
     )
     k = batch.num_logprobs
     if k > 0:
