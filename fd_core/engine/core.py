@@ -323,9 +323,7 @@ class EngineCore:
         for seq in launched.sampled:
             slots.append(len(seq.output_token_ids))
             seq.output_token_ids.append(PLACEHOLDER)
-        read_first = bool(parents) or any(
-            s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1
-            for s in launched.sampled)
+        read_first = bool(parents) or any(s.params.penalised for s in launched.sampled)
         previous, self._in_flight = self._in_flight, _InFlight(launched, slots, read_first)
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)

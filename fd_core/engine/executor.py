@@ -39,12 +39,15 @@ from fd_core.engine.model_runner import (
     Feed,
     Launched,
     ModelRunner,
+    StepInputs,
     StepResult,
     prepare_inputs,
     sampling_batch,
 )
 from fd_core.engine.scheduler import ScheduledSeq
+from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
+from fd_core.interfaces import SamplingBatch
 
 log = logging.getLogger("fd.engine")
 
@@ -215,9 +218,12 @@ class Executor:
         if pairs:
             self._everywhere("copy_blocks", pairs)
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+    def _step_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence], SamplingBatch | None]:
         inputs, sampled = prepare_inputs(scheduled, self.block_size)
-        batch = sampling_batch(sampled, self.eos_token_ids) if sampled else None
+        return inputs, sampled, sampling_batch(sampled, self.eos_token_ids) if sampled else None
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        inputs, sampled, batch = self._step_inputs(scheduled)
         output = self._everywhere("step", inputs, batch)
         return StepResult(sampled, output) if sampled else StepResult([], None)
 
@@ -231,8 +237,7 @@ class Executor:
         """Queue a step on the device and return before its tokens are read (``can_launch``).
         Input tokens still marked ``PLACEHOLDER`` on the host are taken on the device from
         ``previous``, the step launched just before, whose tokens the host has not read yet."""
-        inputs, sampled = prepare_inputs(scheduled, self.block_size)
-        batch = sampling_batch(sampled, self.eos_token_ids) if sampled else None
+        inputs, sampled, batch = self._step_inputs(scheduled)
         feed = None
         dest = np.flatnonzero(inputs.input_ids == PLACEHOLDER)
         if dest.size:

@@ -258,16 +258,14 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
     """The host-side sampling parameters of the sequences that sample, one row each."""
     params = [s.params for s in seqs]
     first = params[0] if params else None
-    shared = all(p is first for p in params)  # LLM.generate's one SamplingParams for all
+    shared = bool(params) and all(p is first for p in params)  # LLM.generate's one SamplingParams for all
 
     def col(name: str, dtype: Any) -> np.ndarray:
         if shared:
             return np.full(len(params), getattr(first, name), dtype=dtype)
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
-    penalised = any(
-        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
-    )
+    penalised = first.penalised if shared else any(p.penalised for p in params)
     suppress = []
     for seq in seqs:
         # min_tokens: the ways a sequence could end are banned until it has produced enough

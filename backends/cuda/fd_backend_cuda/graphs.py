@@ -3,7 +3,7 @@
 A decode step (one new token per sequence) of ``S`` sequences runs as the replay of a graph
 captured for the smallest bucket ``B >= S``. The graph was captured with fixed input buffers; a
 replay first writes the step into them: token ids and positions (device to device: the runner
-has uploaded them), and the attention metadata in one host-to-device copy. The ``B - S``
+has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
 cache slot -1 (their keys and values are not stored), the rule ``attention.py`` documents.
 
@@ -63,8 +63,7 @@ class _Graph:
         self.tensors.slot_mapping.fill_(-1)  # warm-up and capture write nothing to the cache
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        # seq_lens | context_lens | slot mapping | block tables, as static_step_tensors lays them out
-        self.packed = np.zeros(3 * n + n * self.max_blocks, dtype=np.int32)
+        self.packed = np.zeros(3 * n, dtype=np.int32)  # seq_lens | context_lens | slot mapping
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
@@ -86,11 +85,10 @@ class _Graph:
         packed[n : n + s] = meta.context_lens
         packed[n + s : 2 * n] = 0
         packed[2 * n : 2 * n + s] = meta.slot_mapping
-        packed[2 * n + s : 3 * n] = -1
-        tables = meta.block_tables  # columns past its width keep old ids, never read (seq_lens)
-        end = 3 * n + s * self.max_blocks
-        packed[3 * n : end].reshape(s, self.max_blocks)[:, : tables.shape[1]] = tables
-        upload(packed[:end], self.packed_device.device, into=self.packed_device[:end])
+        packed[2 * n + s :] = -1
+        upload(packed, self.packed_device.device, into=self.packed_device)
+        tables = meta.block_tables
+        upload(tables.astype(np.int32), self.packed_device.device, into=self.tensors.block_tables[:s, : tables.shape[1]])
         self.graph.replay()
         return self.output[:s]
 

@@ -342,18 +342,18 @@ def step_tensors(meta, device: torch.device) -> StepTensors:
 def static_step_tensors(meta, device: torch.device, max_blocks: int) -> tuple[StepTensors, torch.Tensor]:
     """Device metadata for the decode steps of a captured graph (one new token per sequence):
     fixed buffers, placed in ``meta.device`` so that the kernels captured with ``meta`` read
-    them, and rewritten in place before each replay. ``seq_lens``, ``context_lens``, the slot
-    mapping (int32 here) and the ``[num_seqs, max_blocks]`` block tables are one int32 buffer in
-    that order, so a replay updates them in one copy (of the block tables, only the rows in
-    use). Returns the tensors and that buffer."""
+    them, and rewritten in place before each replay. ``seq_lens``, ``context_lens`` and the
+    slot mapping (int32 here) are one buffer, so a replay updates them in one copy; the block
+    tables are ``[num_seqs, max_blocks]``, of which a replay writes only the columns in use.
+    Returns the tensors and that one int32 buffer."""
     n = meta.num_seqs
-    packed = torch.zeros(3 * n + n * max_blocks, dtype=torch.int32, device=device)
+    packed = torch.zeros(3 * n, dtype=torch.int32, device=device)
     found = meta.device[f"cuda.step@{device}"] = StepTensors(
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
         seq_lens=packed[:n],
         context_lens=packed[n : 2 * n],
-        block_tables=packed[3 * n :].view(n, max_blocks),
-        slot_mapping=packed[2 * n : 3 * n],
+        block_tables=torch.zeros((n, max_blocks), dtype=torch.int32, device=device),
+        slot_mapping=packed[2 * n :],
     )
     return found, packed
 
