@@ -137,3 +137,22 @@ def test_memory_profiling_step_and_kv_budget(model_dir, monkeypatch):
     core.config.gpu_memory_utilization = 0.25  # 20 GiB, all in use already
     with pytest.raises(ConfigError, match="gpu-memory-utilization"):
         core._profiled_kv_blocks(core._kv_block_bytes())
+
+
+def test_kv_budget_without_a_memory_query(model_dir, monkeypatch):
+    """A backend that declares no memory_query (a chip whose free memory Paddle cannot report)
+    gets the KV cache it asks for; its Memory.memory_info is never called."""
+    from dataclasses import replace
+
+    from fd_core.engine.config import GiB
+
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=64)
+    core = llm.engine.core
+
+    def unanswerable():
+        raise NotImplementedError("memory_info is not available for device 'xpu:0'")
+
+    monkeypatch.setattr(core.executor.runner.memory, "memory_info", unanswerable)
+    monkeypatch.setattr(core, "capabilities", replace(core.capabilities, memory_query=False))
+    core.config.num_kv_blocks, core.config.kv_cache_memory_gb = None, 0.001
+    assert core._num_kv_blocks() == int(0.001 * GiB // core._kv_block_bytes())

@@ -62,7 +62,7 @@ def test_failures_are_reported_and_cpu_keeps_working(site):
     assert reg.platform("cpu").name == "cpu"
     with pytest.raises(BackendError, match="failed to load.*libvendor"):
         reg.platform("broken")
-    with pytest.raises(BackendError, match="no such backend.*installed backends: cpu, toy"):
+    with pytest.raises(BackendError, match="no such backend.*installed backends: cpu, .*toy"):
         reg.platform("nonexistent")
 
 

@@ -27,6 +27,8 @@ from fd_core.runtimes.torch import memory as th_memory  # noqa: E402
 from fd_core.runtimes.torch import ops as th_ops  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 from fd_core.testing.batches import make_sampling_batch
+from fd_core.testing.opcases import attention_step as build_step  # noqa: E402
+from fd_core.testing.opcases import quantize  # noqa: E402
 from fd_core.testing.spec import TOLERANCES  # noqa: E402
 
 
@@ -162,16 +164,6 @@ def test_rotary_rejects_an_unknown_style():
         REFERENCE_OPS["rotary"](th(np.array([0])), x, x, th(cos_sin_table(4, 4)), "gptj")
 
 
-def quantize(w: np.ndarray, method: str, group_size: int) -> QuantizedWeight:
-    out_features, in_features = w.shape
-    group = in_features if group_size == -1 else group_size
-    top = 127 if method == "wint8" else 7
-    blocks = w.reshape(out_features, in_features // group, group)
-    scales = np.abs(blocks).max(axis=-1) / top
-    q = np.clip(np.round(blocks / scales[..., None]), -top - 1, top).astype(np.int8)
-    return QuantizedWeight(method, q.reshape(w.shape), scales.astype(np.float32), group_size, w.shape)
-
-
 def th_quantized(w: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(w.method, th(w.qweight), th(w.scales), w.group_size, w.shape)
 
@@ -198,31 +190,6 @@ def test_linear_quantized(method, group_size, n):
 
 
 # --- attention ---------------------------------------------------------------------------------
-
-
-def build_step(rng, seqs, block_size, num_kv_heads, head_dim):
-    """A step over ``seqs`` = [(context_len, query_len)], with shuffled, non-contiguous block
-    tables and a cache full of noise (cached context included)."""
-    totals = [c + n for c, n in seqs]
-    need = [-(-t // block_size) for t in totals]
-    num_blocks = sum(need) * 2 + 3
-    free = rng.permutation(num_blocks)
-    tables = np.zeros((len(seqs), max(need)), dtype=np.int64)
-    for i, b in enumerate(need):
-        tables[i, :b] = free[sum(need[:i]) : sum(need[: i + 1])]
-    positions = [(i, p) for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
-    meta = AttentionMetadata(
-        query_start_loc=np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
-        seq_lens=np.array(totals, dtype=np.int64),
-        context_lens=np.array([c for c, _ in seqs], dtype=np.int64),
-        block_tables=tables,
-        slot_mapping=np.array(
-            [tables[i][p // block_size] * block_size + p % block_size for i, p in positions], np.int64
-        ),
-        block_size=block_size,
-    )
-    shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    return meta, (randn(rng, *shape), randn(rng, *shape))
 
 
 BATCHES = {

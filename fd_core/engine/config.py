@@ -85,6 +85,9 @@ class EngineConfig:
         that depend on it."""
         if self.dtype not in caps.dtypes:
             raise ConfigError(f"--dtype {self.dtype}: the {backend} backend supports {sorted(caps.dtypes)}")
+        if self.dtype not in caps.kv_cache_dtypes:  # the KV cache is kept in the model's dtype
+            raise ConfigError(f"--dtype {self.dtype}: the {backend} backend keeps its KV cache in "
+                              f"{sorted(caps.kv_cache_dtypes)} only")
         if self.tensor_parallel_size > caps.device_count:
             raise ConfigError(
                 f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend sees "
@@ -95,11 +98,13 @@ class EngineConfig:
                 f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend has no "
                 f"collective library"
             )
-        if self.quantization is not None and self.quantization not in caps.quantization:
+        if self.quantization is not None:
             have = ", ".join(sorted(caps.quantization)) or "none"
-            raise ConfigError(
-                f"--quantization {self.quantization}: the {backend} backend supports {have}"
-            )
+            if self.quantization not in caps.quantization:
+                raise ConfigError(f"--quantization {self.quantization}: the {backend} backend supports {have}")
+            # the linear op takes QuantizedWeight, but no loader produces one yet
+            raise ConfigError(f"--quantization {self.quantization}: fd does not quantize weights at load yet "
+                              f"(the {backend} backend's linear op supports {have})")
         if self.gpu_memory_utilization is not None and not caps.memory_profiling:
             raise ConfigError(
                 f"--gpu-memory-utilization: the {backend} backend does not size the KV cache from "

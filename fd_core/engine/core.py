@@ -198,7 +198,8 @@ class EngineCore:
         if c.kv_cache_memory_gb is None and self.capabilities.memory_profiling:
             return self._profiled_kv_blocks(per_block)
         budget = (c.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB) * GiB
-        free, _ = self.executor.memory_info()
+        # a backend that cannot say how much is free (memory_query) gets the budget as asked
+        free, _ = self.executor.memory_info() if self.capabilities.memory_query else (0, 0)
         if free:
             budget = min(budget, free // 2)
         return max(2, int(budget // per_block))

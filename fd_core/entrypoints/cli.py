@@ -12,9 +12,13 @@ from fd_core.interfaces import API_VERSION
 
 
 def _platform_row(platform: Any) -> dict[str, Any]:
-    from fd_core.plugins.registry import platform_runtimes, runtime_installed
+    from fd_core.plugins.registry import (
+        availability,
+        platform_runtimes,
+        runtime_installed,
+    )
 
-    ok, why = platform.is_available()
+    ok, why = availability(platform)
     row: dict[str, Any] = {
         "device_type": platform.device_type,
         "runtime": platform.runtime,
@@ -28,7 +32,10 @@ def _platform_row(platform: Any) -> dict[str, Any]:
     describe = getattr(platform, "describe_devices", None)
     if ok and describe is not None:
         row["device_names"] = describe()
-    caps = platform.capabilities().as_dict()
+    try:
+        caps = platform.capabilities().as_dict()
+    except Exception as exc:  # noqa: BLE001 - a report, not a start-up
+        caps = {"error": f"capabilities() raised {type(exc).__name__}: {exc}"}
     row["capabilities"] = caps
     # what another runtime changes in the manifest (e.g. its dtypes)
     other: dict[str, dict[str, Any]] = {}
@@ -100,6 +107,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime}{also})")
     for op, impl, source, why in table.describe():
         print(f"  {op:<13} {impl:<20} {source:<16} {why}")
+    return 0
+
+
+def cmd_backend_new(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fd_core.entrypoints.scaffold import new_backend
+    from fd_core.plugins import get_registry
+
+    taken = {p.name for p in get_registry().platforms()} | {r.name for r in get_registry().records}
+    folder = new_backend(args.name, Path(args.output), taken)
+    print(f"created {folder}: pip install -e '{folder}[test]', then run pytest --fd-emulate in it "
+          f"(see its README)")
     return 0
 
 
@@ -226,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("backend", help="tools for backend authors")
+    backend_sub = p.add_subparsers(dest="backend_command", required=True)
+    b = backend_sub.add_parser("new", help="scaffold an installable backend package that passes the conformance kit")
+    b.add_argument("name", help="the device name (--device NAME); the package is fd-backend-NAME")
+    b.add_argument("--output", default=".", help="folder to create fd-backend-NAME in (default: here)")
+    b.set_defaults(func=cmd_backend_new)
 
     p = sub.add_parser("generate", help="generate one completion offline")
     p.add_argument("prompt")

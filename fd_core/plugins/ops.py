@@ -149,7 +149,8 @@ class OpRegistry:
                 ok, why = impl.accepts(context)
                 if ok:
                     tied = f", for the {impl.runtime} runtime" if impl.runtime else ""
-                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config{tied}")
+                    passed = f"; declined: {'; '.join(declined)}" if declined else ""
+                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config{tied}{passed}")
                     break
                 declined.append(f"{impl.name}: {why}")
             else:

@@ -22,11 +22,31 @@ log = logging.getLogger("fd.plugins")
 
 ENTRY_POINT_GROUP = "fd.backends"
 ALLOWLIST_ENV = "FD_BACKENDS"
+# Platforms to run in their emulation mode (comma-separated names, or "all"): a backend that
+# has one then fakes its device probe and runs on the CPU, so that its registration, detection,
+# capability checks and op table can be exercised on a machine without the chip.
+EMULATE_ENV = "FD_EMULATE"
+
+
+def emulated(name: str) -> bool:
+    """Whether the user asked for ``name``'s emulation mode (``FD_EMULATE``)."""
+    names = {n.strip() for n in os.environ.get(EMULATE_ENV, "").split(",") if n.strip()}
+    return name in names or "all" in names
 
 # Runtimes ship inside fd-core; a backend names one by key, or by module path for its own.
 RUNTIMES = {"paddle": "fd_core.runtimes.paddle", "torch": "fd_core.runtimes.torch"}
 # The tensor library behind each built-in runtime, and how to install it.
 _LIBRARIES = {"paddle": ("paddle", "pip install paddlepaddle"), "torch": ("torch", "pip install 'fd-core[torch]'")}
+
+
+def availability(platform: Platform) -> tuple[bool, str]:
+    """``platform.is_available()``, where a platform that raises is unavailable with the error as
+    its reason: one broken backend must not stop device resolution or ``fd backends``."""
+    try:
+        ok, why = platform.is_available()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"its availability check raised {type(exc).__name__}: {exc}"
+    return bool(ok), str(why)
 
 
 def platform_runtimes(platform: Platform) -> tuple[str, ...]:
@@ -193,7 +213,7 @@ class BackendRegistry:
         platform is bound to it (``bind_runtime``)."""
         platforms = self.platforms()
         if device == "auto":
-            usable = [p for p in platforms if p.is_available()[0]]
+            usable = [p for p in platforms if availability(p)[0]]
             if runtime is not None:  # prefer a platform that runs on the asked runtime
                 usable = [p for p in usable if runtime in platform_runtimes(p)] or usable
             accel = [p for p in usable if p.name != "cpu"]
@@ -202,7 +222,7 @@ class BackendRegistry:
             raise BackendError("no usable backend: " + self._summary())
         for p in platforms:
             if p.name == device:
-                ok, why = p.is_available()
+                ok, why = availability(p)
                 if not ok:
                     raise BackendError(f"--device {device}: the backend is installed but unusable: {why}")
                 return bind_runtime(p, runtime)

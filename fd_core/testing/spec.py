@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from fd_core.interfaces.ops import AttentionMetadata, QuantizedWeight, SampleOutput, SamplingBatch
+from fd_core.interfaces.ops import (
+    AttentionMetadata,
+    QuantizedWeight,
+    SampleOutput,
+    SamplingBatch,
+)
 
 # Per-op tolerances (for np.testing.assert_allclose) of a float32 implementation against this
 # specification. Lookups and integer outputs are exact; reductions may differ in summation order.
@@ -25,6 +30,30 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
     "sample_async": {"rtol": 1e-5, "atol": 1e-5},  # its result(), as sample's
 }
+
+# A 16-bit implementation computes in float32 (the contract says where) on the same rounded
+# inputs as the specification, and rounds its result once more at the end; attention may also
+# round its probabilities to the operand dtype before the product with V, as GPU kernels do.
+HALF_TOLERANCES: dict[str, dict[str, float]] = {
+    "float16": {"rtol": 2e-3, "atol": 2e-3},
+    "bfloat16": {"rtol": 1.6e-2, "atol": 1.6e-2},
+}
+HALF_ATTENTION_TOLERANCES: dict[str, dict[str, float]] = {
+    "float16": {"rtol": 5e-3, "atol": 5e-3},
+    "bfloat16": {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+def tolerance(op: str, dtype: str = "float32") -> dict[str, float]:
+    """``assert_allclose`` tolerances of ``op`` computed in ``dtype`` against this specification
+    run in float32 on the same (rounded) inputs. Exact ops stay exact; ``sample``'s logprobs are
+    computed in float32 whatever the logits' dtype."""
+    if dtype == "float32" or op in ("embedding", "sample", "sample_async"):
+        return TOLERANCES[op]
+    table = HALF_ATTENTION_TOLERANCES if op == "attention" else HALF_TOLERANCES
+    if dtype not in table:
+        raise ValueError(f"no stated tolerance for dtype {dtype!r}; known: float32, {', '.join(table)}")
+    return table[dtype]
 
 
 def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -2,9 +2,8 @@
 
 Without a CUDA device the kernels run on CPU tensors through Triton's interpreter
 (``TRITON_INTERPRET=1``, set here before Triton is imported), so shapes are kept small. With a
-device the same tests run natively. Float32 is held to ``spec.TOLERANCES``; float16 and bfloat16
-are compared with the specification run in float32 on the same (rounded) inputs, to the looser
-tolerances below.
+device the same tests run natively. Each is held to ``spec.tolerance(op, dtype)``: float16 and bfloat16
+are compared with the specification run in float32 on the same (rounded) inputs.
 """
 
 from __future__ import annotations
@@ -40,20 +39,9 @@ from fd_backend_cuda.kernels.rotary import rotary as rotary_kernel
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# Float32 uses spec.TOLERANCES[op]. 16-bit results are rounded once more at the end (and
-# attention rounds its probabilities to the operand dtype before P @ V on a GPU).
-LOOSE = {
-    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
-}
-LOOSE_ATTENTION = {
-    torch.float16: {"rtol": 5e-3, "atol": 5e-3},
-    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
-}
-
-
-def tol(op: str, dtype: torch.dtype, table: dict = LOOSE) -> dict:
-    return spec.TOLERANCES[op] if dtype == torch.float32 else table[dtype]
+def tol(op: str, dtype: torch.dtype) -> dict:
+    """The spec's stated tolerance of ``op`` in ``dtype`` (the conformance kit's)."""
+    return spec.tolerance(op, str(dtype).removeprefix("torch."))
 
 
 def rand(shape, dtype, seed, scale=1.0) -> torch.Tensor:
@@ -287,7 +275,7 @@ def test_attention_float32(scenario, heads, head_dim, block_size):
 @pytest.mark.parametrize("heads,head_dim,block_size", [((4, 2), 32, 4), ((2, 2), 64, 16)])
 def test_attention_half(dtype, scenario, heads, head_dim, block_size):
     out, want, _ = run_attention(SCENARIOS[scenario], heads, head_dim, block_size, dtype, seed=3)
-    close(out, want, LOOSE_ATTENTION[dtype])
+    close(out, want, tol("attention", dtype))
 
 
 def test_attention_query_and_cache_dtypes_differ():
@@ -301,7 +289,7 @@ def test_attention_query_and_cache_dtypes_differ():
         cache_dtype=torch.float32,
         seed=5,
     )
-    close(out, want, LOOSE_ATTENTION[torch.float16])
+    close(out, want, tol("attention", torch.float16))
 
 
 @pytest.mark.parametrize(
@@ -318,7 +306,7 @@ def test_attention_split_k(scenario, num_splits, dtype):
     out, want, _ = run_attention(
         SCENARIOS[scenario], (4, 2), 32, 4, dtype, seed=7, num_splits=num_splits
     )
-    close(out, want, tol("attention", dtype, LOOSE_ATTENTION))
+    close(out, want, tol("attention", dtype))
 
 
 def test_split_k_heuristic():
@@ -334,7 +322,7 @@ def test_split_k_heuristic():
 def test_attention_large_head_dims(dtype, head_dim):
     """The tiles chosen for wide heads (on a GPU: they must fit in shared memory)."""
     out, want, _ = run_attention(SCENARIOS["mixed"], (4, 2), head_dim, 16, dtype, seed=13)
-    close(out, want, tol("attention", dtype, LOOSE_ATTENTION))
+    close(out, want, tol("attention", dtype))
 
 
 @pytest.mark.parametrize("scenario", ["mixed", "long"])

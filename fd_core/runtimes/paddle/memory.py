@@ -21,7 +21,7 @@ Tensor = paddle.Tensor
 _MALLOC_TUNED = False
 
 
-def keep_freedhost_memory() -> None:
+def keep_freed_host_memory() -> None:
     """Make glibc keep large freed blocks for reuse instead of returning them to the OS.
 
     Paddle's CPU allocator goes straight to malloc, and glibc maps blocks above its (dynamic)
@@ -53,7 +53,7 @@ class PaddleMemory:
         self.device = device
         self.place = paddle.device.device_to_place(device.replace("cuda", "gpu"))
         if tune_host_malloc and isinstance(self.place, paddle.CPUPlace):
-            keep_freedhost_memory()
+            keep_freed_host_memory()
 
     def from_numpy(self, array: np.ndarray, dtype: str | None = None) -> Tensor:
         # NumPy has no bfloat16: upload as is and let Paddle cast on the device.

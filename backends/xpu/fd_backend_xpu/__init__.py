@@ -1,0 +1,6 @@
+"""fd-backend-xpu: fd's Kunlunxin XPU (P800) backend on the Paddle runtime.
+
+``fd_backend_xpu.platform`` holds the platform (detection, capabilities); memory, collectives
+and emulation are ``fd_core.runtimes.paddle.device``'s, the fused-kernel adapters
+``fd_core.runtimes.paddle.fused``'s. Run without the chip: ``FD_EMULATE=xpu``.
+"""

@@ -1,0 +1,242 @@
+"""``fd backend new NAME``: a third-party backend package that installs and passes the
+conformance kit as generated (in emulation, until the vendor fills in the chip)."""
+
+from __future__ import annotations
+
+import keyword
+import re
+from pathlib import Path
+from string import Template
+
+from fd_core.errors import ConfigError
+from fd_core.interfaces import API_VERSION
+
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "fd-backend-$dash"
+version = "0.1.0"
+description = "fd backend for $name, on PaddlePaddle's $name custom device."
+readme = "README.md"
+requires-python = ">=3.10"
+dependencies = ["fd-core"]
+
+[project.optional-dependencies]
+test = ["pytest>=8"]
+
+# How fd finds this package: `fd backends` lists it, `--device $name` selects it.
+[project.entry-points."fd.backends"]
+$name = "fd_backend_$name.plugin"
+
+[tool.setuptools.packages.find]
+include = ["fd_backend_$name*"]
+
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+# the conformance kit (tests/test_conformance.py) tests this device
+addopts = ["--fd-device=$name"]
+"""
+
+INIT = '''\
+"""fd backend for $name. fd finds it through the ``fd.backends`` entry point, which names
+``fd_backend_$name.plugin``."""
+'''
+
+PLUGIN = '''\
+"""fd's entry point for this package: the platform and the ops it overrides."""
+
+from __future__ import annotations
+
+from fd_core.plugins import hookimpl
+
+# The fd plugin API this package is written against: fd-core loads it while its own API has
+# the same major version and a minor version at least this one.
+FD_API_VERSION = "$api"
+
+
+@hookimpl
+def fd_platforms():
+    from fd_backend_$name.platform import ${Camel}Platform
+
+    return [${Camel}Platform()]
+
+
+@hookimpl
+def fd_register_ops(registry):
+    from fd_backend_$name import ops
+
+    # The ops this package implements itself; each declines (supports() -> False) what it does
+    # not handle, and the engine then picks the next one, down to the runtime's reference.
+    registry.register("silu_and_mul", "$name", ops.silu_and_mul, name="$name-silu-and-mul", priority=10,
+                      supports=ops.supports_silu_and_mul, runtime="paddle")
+    # Every other op: Paddle's standard kernels on the device, adopted as this backend's own.
+    registry.use_reference("$name", "paddle")
+'''
+
+PLATFORM = '''\
+"""The $name platform: a PaddlePaddle custom device (PaddleCustomDevice plugin "$name").
+
+Detection, memory, collectives and the emulation mode (FD_EMULATE=$name) come from
+``PaddleDevicePlatform``; this class says what is particular to the chip.
+"""
+
+from __future__ import annotations
+
+from fd_core.interfaces import Capabilities
+from fd_core.runtimes.paddle.device import PaddleDevicePlatform, custom_device_count
+
+
+class ${Camel}Platform(PaddleDevicePlatform):
+    name = "$name"
+    device_type = "$name"
+    paddle_device = "$name"  # places are "$name:0", "$name:1"...
+    visible_devices_env = "${upper}_VISIBLE_DEVICES"
+    collective_backend = "xccl"  # custom devices reach their collective library through XCCL
+    collective_library = "xccl"
+    requirement = "PaddlePaddle with the $name custom-device plugin"
+
+    def probe(self) -> tuple[int, str]:
+        import paddle
+
+        if "$name" not in paddle.device.get_all_custom_device_type():
+            return self.not_built(paddle, "the $name custom device")
+        count = custom_device_count("$name")
+        return (count, "") if count else self.no_device(paddle)
+
+    def chip_capabilities(self) -> Capabilities:
+        # Declare only what this backend really does on the chip: the conformance kit tests
+        # every dtype and feature listed here, and fd refuses the others at start-up.
+        return self.manifest(dtypes={"float32"}, memory_query=False)
+'''
+
+OPS = '''\
+"""The ops this backend implements itself. An op takes and returns Paddle tensors with the
+signature written in ``fd_core.interfaces.ops``; ``fd_core.testing.spec`` is its exact meaning.
+
+The example below is written with plain Paddle calls, so it runs on any place: replace its body
+with the chip's fused kernel, keep the signature, and the conformance kit holds it to the spec.
+"""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+
+
+def silu_and_mul(x: paddle.Tensor) -> paddle.Tensor:
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
+    out = F.silu(gate.astype("float32")) * up.astype("float32")  # the contract computes in float32
+    return out.astype(x.dtype)
+
+
+def supports_silu_and_mul(dtype: str | None = None, **_: object) -> bool:
+    """What the engine's start-up context allows (dtype, head_dim, quantization)."""
+    return dtype in (None, "float32", "float16", "bfloat16")
+'''
+
+TEST_CONFORMANCE = '''\
+"""fd's conformance kit against this backend: every kit test, collected here, on the device
+named by ``--fd-device`` in pyproject.toml's pytest addopts. Without the chip, run
+``pytest --fd-emulate``."""
+
+from fd_core.conformance.kit import *  # noqa: F401,F403
+'''
+
+TEST_PLATFORM = '''\
+"""What the kit cannot know about this chip: how it is detected."""
+
+from __future__ import annotations
+
+from fd_backend_$name.platform import ${Camel}Platform
+
+
+def test_an_empty_visible_devices_variable_hides_every_device(monkeypatch):
+    monkeypatch.delenv("FD_EMULATE", raising=False)
+    monkeypatch.setenv("${upper}_VISIBLE_DEVICES", "")
+    ok, why = ${Camel}Platform().is_available()
+    assert not ok and "${upper}_VISIBLE_DEVICES" in why
+
+
+def test_emulation_sees_one_device_per_visible_entry(monkeypatch):
+    monkeypatch.setenv("FD_EMULATE", "$name")
+    monkeypatch.setenv("${upper}_VISIBLE_DEVICES", "0,1")
+    platform = ${Camel}Platform()
+    assert platform.is_available() == (True, "")
+    assert platform.capabilities().device_count == 2
+'''
+
+README = """\
+# fd-backend-$dash
+
+fd backend for **$name**, a PaddlePaddle custom device. Generated by `fd backend new $name`
+(fd-core plugin API $api).
+
+**Status: scaffold.** Nothing has run on $name hardware yet. As generated, the package
+installs, fd discovers it, and the conformance kit passes in emulation (the chip's place
+replaced by the CPU's).
+
+## Install and test
+
+```sh
+pip install -e '.[test]'
+fd backends                                   # lists $name, unavailable without the chip and why
+pytest                                        # this package's tests and fd's conformance kit, on the chip
+pytest --fd-emulate                           # the same without the chip: emulated on the CPU
+FD_EMULATE=$name fd serve --device $name      # serve the default model on the emulated device
+```
+
+`pytest --pyargs fd_core.conformance --fd-device $name [--fd-emulate]` runs the kit alone.
+
+## What to fill in
+
+- `fd_backend_$name/platform.py`: how Paddle detects the chip (`probe`), its visible-devices
+  variable, its collective library, and an honest `chip_capabilities()` (every dtype and
+  feature listed there is tested by the kit; fd refuses the rest at start-up);
+- `fd_backend_$name/ops.py` and `plugin.py`: the chip's kernels, one op at a time, each
+  registered with a `supports()` predicate; the other ops run Paddle's standard kernels;
+- this README: what ran on real hardware and what did not.
+
+fd-core's `docs/WRITING_A_BACKEND.md` describes the contract op by op.
+"""
+
+
+def _files(name: str) -> dict[str, str]:
+    values = {
+        "name": name, "dash": name.replace("_", "-"), "upper": name.upper(),
+        "Camel": "".join(part.capitalize() for part in name.split("_")),
+        "api": ".".join(API_VERSION.split(".")[:2]),
+    }
+    templates = {
+        "pyproject.toml": PYPROJECT,
+        "README.md": README,
+        f"fd_backend_{name}/__init__.py": INIT,
+        f"fd_backend_{name}/plugin.py": PLUGIN,
+        f"fd_backend_{name}/platform.py": PLATFORM,
+        f"fd_backend_{name}/ops.py": OPS,
+        "tests/test_conformance.py": TEST_CONFORMANCE,
+        "tests/test_platform.py": TEST_PLATFORM,
+    }
+    return {path: Template(text).substitute(values) for path, text in templates.items()}
+
+
+def new_backend(name: str, parent: Path, taken: set[str] = frozenset()) -> Path:  # type: ignore[assignment]
+    """Write ``parent/fd-backend-NAME`` and return it. ``taken``: device names already in use."""
+    if not _NAME.fullmatch(name) or keyword.iskeyword(name):
+        raise ConfigError(f"backend name {name!r}: use 1-32 lowercase letters, digits and underscores, "
+                          f"starting with a letter (it becomes --device {name} and fd_backend_{name})")
+    if name in taken or name == "auto":
+        raise ConfigError(f"backend name {name!r}: a backend with that device name is already installed")
+    folder = Path(parent) / f"fd-backend-{name.replace('_', '-')}"
+    if folder.exists():
+        raise ConfigError(f"{folder} already exists; choose another --output or remove it")
+    for path, text in _files(name).items():
+        target = folder / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return folder

@@ -1,0 +1,218 @@
+"""PaddleDevicePlatform: the one Platform behind every chip that Paddle addresses as a device.
+
+A vendor backend on the Paddle runtime (Kunlunxin XPU, Iluvatar, Hygon DCU, Enflame GCU...)
+differs from the others only in data: its Paddle place prefix, its visible-devices variable, the
+``paddle.distributed`` backend of its collectives, how Paddle tells whether it is built for the
+chip and how many devices it sees, and what fd can do on it. A backend subclasses this class,
+sets the class attributes and implements ``probe`` and ``chip_capabilities``; memory,
+collectives, availability, emulation and device naming are shared.
+
+Emulation (``FD_EMULATE=<name>[,<name>...]`` or ``all``): the named platforms replace their
+device probe by a fake one and run on the CPU place, so that a backend's registration,
+detection, capability checks and op table run on a machine without the chip. The fake probe
+counts the entries of the chip's visible-devices variable (1 when it is unset; an empty
+variable still means no device). Chip-only kernels are then unavailable on the CPU place and
+their adapters (``fd_core.runtimes.paddle.fused``) decline, so the reference runs instead.
+
+This module is part of ``fd_core.runtimes.paddle``, whose ``__init__`` imports paddle: importing
+it imports paddle. Paddle is needed anyway to tell whether the chip is there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Iterable
+
+from fd_core.interfaces import Capabilities
+from fd_core.plugins.registry import EMULATE_ENV, emulated
+
+__all__ = ["EMULATE_ENV", "PaddleDevicePlatform", "custom_device_count", "emulated"]
+
+# What an emulated platform runs on, and what Paddle's CPU place computes in.
+EMULATED_PLACE = "cpu"
+_CPU_DTYPES = frozenset({"float32"})
+
+
+def custom_device_count(device_type: str) -> int:
+    """Devices of a Paddle custom device type (a PaddleCustomDevice plugin such as
+    ``iluvatar_gpu`` or ``gcu``) that Paddle sees; 0 when the plugin is not loaded."""
+    import paddle
+
+    if not paddle.is_compiled_with_custom_device(device_type):
+        return 0
+    return int(paddle.base.core.get_custom_device_count(device_type))
+
+
+class PaddleDevicePlatform:
+    """A chip Paddle addresses as ``<paddle_device>:<index>``. Subclasses set the class
+    attributes below and implement :meth:`probe` and :meth:`chip_capabilities`."""
+
+    name: str = ""  # what users type after --device
+    device_type: str = ""  # keys op registration
+    runtime = "paddle"
+    paddle_device: str = ""  # the place prefix: "xpu", "gpu", "iluvatar_gpu", "gcu"...
+    visible_devices_env: str = ""  # e.g. "XPU_VISIBLE_DEVICES"
+    collective_backend: str = ""  # paddle.distributed's name: "bkcl", "xccl", "nccl"...
+    collective_library: str = ""  # what Capabilities reports: "bkcl", "xccl", "rccl"...
+    requirement: str = ""  # what to install for the chip, e.g. "paddlepaddle-xpu"
+    # A step of a few hundred tokens keeps an emulated (CPU) server's streams responsive, as on
+    # the cpu backend; on the chip the engine's default applies.
+    emulated_max_num_batched_tokens = 256
+
+    # -- what a backend implements ---------------------------------------------------------
+
+    def probe(self) -> tuple[int, str]:
+        """The devices Paddle sees on this machine; with 0, one sentence saying why, naming
+        what is missing. Imports paddle; an exception counts as 0 devices with its message."""
+        raise NotImplementedError
+
+    def chip_capabilities(self) -> Capabilities:
+        """What fd can do on the real chip (``device_count`` is filled in by the base). Must
+        not import paddle: ``fd backends`` shows it for unavailable chips too."""
+        raise NotImplementedError
+
+    # -- helpers for subclasses ------------------------------------------------------------
+
+    def manifest(self, dtypes: Iterable[str], *, memory_query: bool = False,
+                 pinned_host_memory: bool = False) -> Capabilities:
+        """The manifest every Paddle device shares, for the chip's ``dtypes``: Paddle's reference
+        ops cover prefix caching, chunked prefill and KV swap; fd has no weight-only
+        quantization at load and no Paddle graph capture yet; ``PaddleMemory`` does not profile
+        device memory."""
+        dtypes = frozenset(dtypes)
+        return Capabilities(
+            dtypes=dtypes,
+            quantization=frozenset(),
+            kv_cache_dtypes=dtypes,
+            graph_capture=False,
+            prefix_caching=True,
+            chunked_prefill=True,
+            kv_swap=True,
+            collective_library=self.collective_library,
+            pinned_host_memory=pinned_host_memory,
+            memory_query=memory_query,
+            memory_profiling=False,
+        )
+
+    def not_built(self, paddle: Any, what: str) -> tuple[int, str]:
+        return 0, f"paddle {paddle.__version__} is not built with {what}; install {self.requirement}"
+
+    def no_device(self, paddle: Any) -> tuple[int, str]:
+        return 0, (f"paddle {paddle.__version__} supports {self.name} but sees no device; check the "
+                   f"driver and {self.visible_devices_env}")
+
+    # -- emulation and detection -----------------------------------------------------------
+
+    @property
+    def emulated(self) -> bool:
+        return emulated(self.name)
+
+    @property
+    def default_max_num_batched_tokens(self) -> int | None:
+        return self.emulated_max_num_batched_tokens if self.emulated else None
+
+    def _empty_visible(self) -> str:
+        return f"{self.visible_devices_env} is set but empty, so no {self.name} device is visible"
+
+    def _fake_probe(self) -> tuple[int, str]:
+        value = os.environ.get(self.visible_devices_env)
+        if value is None:
+            return 1, ""
+        entries = [v for v in (s.strip() for s in value.split(",")) if v]
+        return (len(entries), "") if entries else (0, self._empty_visible())
+
+    def detect(self) -> tuple[int, str]:
+        """``(devices, why not)``: the fake probe when emulated, else the visible-devices
+        variable and then :meth:`probe`."""
+        if self.emulated:
+            return self._fake_probe()
+        value = os.environ.get(self.visible_devices_env)
+        if value is not None and not value.strip():
+            return 0, self._empty_visible()
+        try:
+            count, why = self.probe()
+        except Exception as exc:  # noqa: BLE001 - a broken paddle install must not stop fd backends
+            return 0, f"the {self.name} probe could not run ({type(exc).__name__}: {exc})"
+        if count <= 0:
+            return 0, why or f"Paddle sees no {self.name} device"
+        return count, ""
+
+    # -- the Platform protocol -------------------------------------------------------------
+
+    def is_available(self) -> tuple[bool, str]:
+        count, why = self.detect()
+        return count > 0, why
+
+    def device_count(self) -> int:
+        return self.detect()[0]
+
+    def capabilities(self) -> Capabilities:
+        chip = self.chip_capabilities()
+        count = self.device_count()
+        if not self.emulated:
+            return replace(chip, device_count=count)
+        # the chip's manifest, narrowed to what Paddle's CPU place runs
+        dtypes = chip.dtypes & _CPU_DTYPES
+        return replace(
+            chip,
+            dtypes=dtypes,
+            kv_cache_dtypes=chip.kv_cache_dtypes & _CPU_DTYPES,
+            collective_library="gloo",
+            pinned_host_memory=False,
+            graph_capture=False,
+            memory_profiling=False,
+            memory_query=True,  # PaddleMemory answers for the CPU (host RAM)
+            device_count=count,
+        )
+
+    def place(self, device_index: int = 0) -> str:
+        return EMULATED_PLACE if self.emulated else f"{self.paddle_device}:{device_index}"
+
+    def kernel_place(self) -> str:
+        """Where the op adapters probe their kernels: the CPU when emulated, else the device
+        this process works on (set by :meth:`memory`), else device 0."""
+        if self.emulated:
+            return EMULATED_PLACE
+        import paddle
+
+        current = paddle.device.get_device()
+        return current if current.split(":")[0] == self.paddle_device else self.place(0)
+
+    def _set_device(self, place: str) -> None:
+        import paddle
+
+        paddle.device.set_device(place)
+
+    def memory(self, device_index: int = 0):
+        from fd_core.runtimes.paddle import PaddleMemory
+
+        place = self.place(device_index)
+        if not self.emulated:
+            self._set_device(place)  # kernels and new tensors of this process go to this device
+        return PaddleMemory(place)
+
+    def communicator(self, rank: int = 0, world_size: int = 1, rendezvous: str | None = None):
+        from fd_core.runtimes import paddle as runtime
+
+        if world_size > 1:
+            if self.emulated:
+                runtime.init_process_group(rank, world_size, rendezvous, backend="gloo")
+            else:
+                index = rank % max(1, self.device_count())  # rank r drives device r
+                # what paddle.distributed's init_parallel_env reads for a non-CPU backend
+                os.environ[f"FLAGS_selected_{self.paddle_device}s"] = str(index)
+                if self.collective_backend == "xccl":
+                    os.environ.setdefault("PADDLE_XCCL_BACKEND", self.paddle_device)
+                self._set_device(self.place(index))
+                runtime.init_process_group(rank, world_size, rendezvous, backend=self.collective_backend)
+        return runtime.PaddleCommunicator(rank=rank, world_size=world_size)
+
+    def runner_hooks(self):
+        return None  # fd has no Paddle graph capture yet
+
+    def describe_devices(self) -> list[str]:
+        count = self.device_count()
+        if self.emulated:
+            return [f"{self.name} {i} (emulated on the CPU: {EMULATE_ENV})" for i in range(count)]
+        return [self.place(i) for i in range(count)]

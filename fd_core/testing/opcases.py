@@ -1,0 +1,366 @@
+"""The conformance kit's op cases: each runs one implementation of one op on a backend's device
+(through its Memory) and holds the result to the NumPy specification (``fd_core.testing.spec``)
+at ``spec.tolerance(op, dtype)``.
+
+Inputs are drawn in float32, uploaded in the case's dtype, and the specification is run on the
+rounded values read back, so a 16-bit case measures the op and not the rounding of its inputs.
+A mismatch raises :class:`OpMismatch` naming the op, the implementation, the shapes and the
+error.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from fd_core.interfaces import (
+    AttentionMetadata,
+    Capabilities,
+    Memory,
+    QuantizedWeight,
+    SampleOutput,
+)
+from fd_core.testing import spec
+from fd_core.testing.batches import make_sampling_batch
+
+
+class OpMismatch(AssertionError):
+    """An implementation disagrees with the specification beyond the stated tolerance."""
+
+
+@dataclass(frozen=True)
+class OpCase:
+    op: str
+    label: str  # the shapes and variant, e.g. "x[7, 576] + residual"
+    dtype: str
+    params: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    head_dim: int | None = None
+    quantization: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.dtype}-{self.label}"
+
+    def context(self) -> dict[str, Any]:
+        """What the engine passes to ``supports()`` for a model like this case."""
+        return {"dtype": self.dtype, "head_dim": self.head_dim or 64, "quantization": self.quantization}
+
+
+def _describe(case: OpCase, impl: str) -> str:
+    return f"op {case.op} (implementation {impl!r}) on {case.label}, {case.dtype}"
+
+
+def compare(case: OpCase, impl: str, what: str, actual: Any, expected: Any, exact: bool = False) -> None:
+    """``actual`` against the specification's ``expected``; raises OpMismatch with the largest
+    error, where it is, and how many elements are out of tolerance."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    where = _describe(case, impl)
+    if actual.shape != expected.shape:
+        raise OpMismatch(f"{where}: {what} has shape {list(actual.shape)}, the spec's has {list(expected.shape)}")
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else spec.tolerance(case.op, case.dtype)
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        err = np.abs(a - e)
+        bad = ~(err <= tol["atol"] + tol["rtol"] * np.abs(e))
+    bad &= ~((a == e) | (np.isnan(a) & np.isnan(e)))  # equal infinities are not errors
+    if not bad.any():
+        return
+    worst = np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)
+    idx = np.unravel_index(int(np.argmax(worst)), worst.shape)
+    raise OpMismatch(
+        f"{where}: {what} differs from the spec: max abs error {float(worst[idx]):.4g} at index "
+        f"{list(map(int, idx))} (got {a[idx]:.6g}, spec {e[idx]:.6g}); {int(bad.sum())} of {bad.size} "
+        f"elements outside rtol={tol['rtol']:g}, atol={tol['atol']:g}"
+    )
+
+
+class Device:
+    """Moves a case's arrays to the backend and back."""
+
+    def __init__(self, memory: Memory, dtype: str) -> None:
+        self.memory, self.dtype = memory, dtype
+
+    def put(self, array: np.ndarray, dtype: str | None = None) -> tuple[Any, np.ndarray]:
+        """The uploaded tensor (floats in the case's dtype unless ``dtype``) and its exact host value."""
+        array = np.ascontiguousarray(array)
+        if np.issubdtype(array.dtype, np.floating):
+            tensor = self.memory.from_numpy(array.astype(np.float32), dtype or self.dtype)
+            return tensor, self.get(tensor)
+        return self.memory.from_numpy(array), array
+
+    def get(self, tensor: Any) -> np.ndarray:
+        return np.asarray(self.memory.to_numpy(tensor))
+
+
+def _randn(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _rng(case: OpCase) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(case.id.encode()))  # stable across runs and processes
+
+
+# --- one runner per op ---------------------------------------------------------------------------
+
+
+def _embedding(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    vocab, hidden, n = case.params["vocab"], case.params["hidden"], case.params["n"]
+    rng = _rng(case)
+    weight, w = dev.put(_randn(rng, vocab, hidden))
+    ids, i = dev.put(rng.integers(0, vocab, n).astype(np.int64))
+    compare(case, impl, "output", dev.get(fn(weight, ids)), spec.embedding(w, i), exact=True)
+
+
+def _rms_norm(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    shape, with_residual = case.params["shape"], case.params["residual"]
+    rng = _rng(case)
+    x, xh = dev.put(_randn(rng, *shape, scale=3.0))
+    weight, wh = dev.put(1 + _randn(rng, shape[-1], scale=0.3), "float32")  # norms stay float32
+    residual, rh = dev.put(_randn(rng, *shape)) if with_residual else (None, None)
+    out = fn(x, weight, 1e-6, residual)
+    want = spec.rms_norm(xh, wh, 1e-6, rh)
+    if with_residual:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise OpMismatch(f"{_describe(case, impl)}: with a residual the op returns (y, x + residual), "
+                             f"got {type(out).__name__}")
+        compare(case, impl, "y", dev.get(out[0]), want[0])
+        compare(case, impl, "x + residual", dev.get(out[1]), want[1])
+    else:
+        compare(case, impl, "y", dev.get(out), want)
+
+
+def _rotary(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    p = case.params
+    rng = _rng(case)
+    n, (hq, hk), d, rot, style = p["n"], p["heads"], case.head_dim, p["rotary_dim"], p["style"]
+    positions, pos = dev.put(rng.integers(0, 300, n).astype(np.int64))
+    q, qh = dev.put(_randn(rng, n, hq, d))
+    k, kh = dev.put(_randn(rng, n, hk, d))
+    inv = 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot)
+    angles = np.arange(512)[:, None] * inv[None, :]
+    table, th = dev.put(np.concatenate([np.cos(angles), np.sin(angles)], -1).astype(np.float32), "float32")
+    out = fn(positions, q, k, table, style)
+    want_q, want_k = spec.rotary(pos, qh, kh, th, style)
+    compare(case, impl, "q", dev.get(out[0]), want_q)
+    compare(case, impl, "k", dev.get(out[1]), want_k)
+
+
+def quantize(weight: np.ndarray, method: str, group_size: int) -> QuantizedWeight:
+    """Weight-only quantization as the contract's QuantizedWeight defines it (host arrays)."""
+    out_features, in_features = weight.shape
+    group = in_features if group_size == -1 else group_size
+    top = 127 if method == "wint8" else 7
+    blocks = weight.reshape(out_features, in_features // group, group)
+    scales = np.abs(blocks).max(axis=-1) / top
+    q = np.clip(np.round(blocks / scales[..., None]), -top - 1, top).astype(np.int8)
+    return QuantizedWeight(method, q.reshape(weight.shape), scales.astype(np.float32), group_size, weight.shape)
+
+
+def _quantized_on(dev: Device, qw: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(qw.method, dev.put(qw.qweight)[0], dev.put(qw.scales, "float32")[0],
+                           qw.group_size, qw.shape)
+
+
+def _linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    p = case.params
+    rng = _rng(case)
+    x, xh = dev.put(_randn(rng, p["n"], p["in"]))
+    w = _randn(rng, p["out"], p["in"], scale=p["in"] ** -0.5)
+    bias, bh = dev.put(_randn(rng, p["out"])) if p["bias"] else (None, None)
+    if case.quantization:
+        qw = quantize(w, case.quantization, p["group_size"])
+        compare(case, impl, "output", dev.get(fn(x, _quantized_on(dev, qw), bias)), spec.linear(xh, qw, bh))
+    else:
+        weight, wh = dev.put(w)
+        compare(case, impl, "output", dev.get(fn(x, weight, bias)), spec.linear(xh, wh, bh))
+
+
+def _silu_and_mul(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    x, xh = dev.put(_randn(_rng(case), case.params["n"], 2 * case.params["inter"], scale=2.0))
+    compare(case, impl, "output", dev.get(fn(x)), spec.silu_and_mul(xh))
+
+
+def attention_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[AttentionMetadata, tuple[np.ndarray, np.ndarray]]:
+    """A step over ``seqs`` = ``[(context_len, query_len)]`` with shuffled, non-contiguous block
+    tables and a cache full of noise (the cached context included)."""
+    totals = [c + n for c, n in seqs]
+    need = [-(-t // block_size) for t in totals]
+    num_blocks = sum(need) * 2 + 3
+    free = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), max(need)), dtype=np.int64)
+    used = 0
+    for i, b in enumerate(need):
+        tables[i, :b] = free[used: used + b]
+        used += b
+    slots = [tables[i][p // block_size] * block_size + p % block_size
+             for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+    meta = AttentionMetadata(
+        query_start_loc=np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
+        seq_lens=np.array(totals, dtype=np.int64),
+        context_lens=np.array([c for c, _ in seqs], dtype=np.int64),
+        block_tables=tables,
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_size=block_size,
+    )
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    return meta, (_randn(rng, *shape), _randn(rng, *shape))
+
+
+def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    p = case.params
+    rng = _rng(case)
+    (hq, hk), d = p["heads"], case.head_dim
+    meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
+    n = int(meta.query_start_loc[-1])
+    q, qh = dev.put(_randn(rng, n, hq, d))
+    k, kh = dev.put(_randn(rng, n, hk, d))
+    v, vh = dev.put(_randn(rng, n, hk, d))
+    (kc, kch), (vc, vch) = dev.put(key_cache), dev.put(value_cache)
+    scale = d**-0.5
+    out = fn(q, k, v, (kc, vc), meta, scale)
+    want = spec.attention(qh, kh, vh, (kch, vch), meta, scale)  # writes kch, vch in place
+    compare(case, impl, "output", dev.get(out), want)
+    compare(case, impl, "key cache after the write", dev.get(kc), kch, exact=True)
+    compare(case, impl, "value cache after the write", dev.get(vc), vch, exact=True)
+
+
+def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    p = case.params
+    rng = _rng(case)
+    e, h, inter = p["experts"], p["hidden"], p["inter"]
+    x, xh = dev.put(_randn(rng, p["n"], h))
+    router, rh = dev.put(_randn(rng, e, h))
+    gate_up = [dev.put(_randn(rng, 2 * inter, h, scale=0.3)) for _ in range(e)]
+    down = [dev.put(_randn(rng, h, inter, scale=0.3)) for _ in range(e)]
+    bias, bh = dev.put(_randn(rng, e, scale=0.5), "float32") if p["bias"] else (None, None)
+    out = fn(x, router, [g[0] for g in gate_up], [g[0] for g in down], p["top_k"], p["scoring"], p["renormalize"], bias)
+    want = spec.moe(xh, rh, [g[1] for g in gate_up], [g[1] for g in down], p["top_k"], p["scoring"],
+                    p["renormalize"], bh)
+    compare(case, impl, "output", dev.get(out), want)
+
+
+def sampling_batch(case: OpCase, rng: np.random.Generator, rows: int, vocab: int):
+    kind = case.params["kind"]
+
+    def pick(options: list) -> list:
+        return [options[i] for i in rng.integers(0, len(options), rows)]
+
+    def tokens(most: int) -> list[np.ndarray]:
+        return [rng.integers(0, vocab, int(rng.integers(0, most))) for _ in range(rows)]
+
+    common = dict(seeds=rng.integers(0, 2**62, rows), steps=rng.integers(0, 1000, rows),
+                  num_logprobs=case.params.get("logprobs", 0))
+    if kind == "greedy":
+        return make_sampling_batch(rows, temperature=[0.0] * rows, **common)
+    if kind == "filters":
+        return make_sampling_batch(rows, temperature=pick([0.0, 0.3, 1.0, 1.7]), top_k=pick([0, 1, 5, 40, vocab]),
+                                   top_p=pick([1.0, 0.9, 0.5, 0.05]), min_p=pick([0.0, 0.05, 0.3]), **common)
+    return make_sampling_batch(  # penalties and suppression, greedy and random rows
+        rows, temperature=pick([0.0, 0.8]), presence_penalty=pick([0.0, 0.5, -0.3]),
+        frequency_penalty=pick([0.0, 0.2]), repetition_penalty=pick([1.0, 1.3, 0.8]),
+        prompt_token_ids=tokens(12), output_token_ids=tokens(20), suppress_token_ids=tokens(4), **common)
+
+
+def _compare_samples(case: OpCase, impl: str, got: SampleOutput, want: SampleOutput) -> None:
+    compare(case, impl, "token_ids", got.token_ids, want.token_ids, exact=True)
+    compare(case, impl, "logprobs", got.logprobs, want.logprobs)
+    compare(case, impl, "ranks", got.ranks, want.ranks, exact=True)
+    compare(case, impl, "top_ids", got.top_ids, want.top_ids, exact=True)
+    compare(case, impl, "top_logprobs", got.top_logprobs, want.top_logprobs)
+
+
+def _sample(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    rows, vocab = case.params["rows"], case.params["vocab"]
+    rng = _rng(case)
+    logits, lh = dev.put(_randn(rng, rows, vocab, scale=2.0))
+    batch = sampling_batch(case, rng, rows, vocab)
+    got = fn(logits, batch)
+    if case.op == "sample_async":
+        ids, _ = dev.put(np.full(rows + 2, -1, np.int64))
+        dest, src = np.arange(rows, dtype=np.int64)[::-1] + 1, np.arange(rows, dtype=np.int64)
+        fed = dev.get(got.feed(ids, dev.put(dest)[0], dev.put(src)[0]))
+        got = got.result()
+        want_ids = np.full(rows + 2, -1, np.int64)
+        want_ids[dest] = got.token_ids[src]
+        compare(case, impl, "feed()'s ids", fed, want_ids, exact=True)
+    _compare_samples(case, impl, got, spec.sample(lh, batch))
+
+
+RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
+    "embedding": _embedding, "rms_norm": _rms_norm, "rotary": _rotary, "linear": _linear,
+    "silu_and_mul": _silu_and_mul, "attention": _attention, "moe": _moe, "sample": _sample,
+    "sample_async": _sample,
+}
+
+
+def run_case(case: OpCase, fn: Callable, memory: Memory, impl: str = "") -> None:
+    """Run ``fn`` (an implementation of ``case.op``) on the case; raises OpMismatch."""
+    RUNNERS[case.op](case, fn, Device(memory, case.dtype), impl)
+
+
+# --- the grid ------------------------------------------------------------------------------------
+
+ATTENTION_STEPS = {
+    "prefill": [(0, 7), (0, 3)],
+    "decode": [(6, 1), (1, 1), (17, 1), (40, 1)],
+    # whole prompts beside decodes: the scheduler mixes them even with chunked prefill off
+    "prefill+decode": [(0, 5), (9, 1), (0, 3), (20, 1)],
+    # only where the backend declares chunked prefill or prefix caching: queries after a context
+    "prefix": [(16, 5), (32, 1), (0, 4)],
+    "mixed": [(0, 5), (9, 1), (4, 3), (20, 1), (33, 2)],
+    "long": [(0, 150), (37, 70), (100, 1)],
+}
+
+
+def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCase]:
+    """Every case the backend's manifest calls for: each op in every declared dtype; linear in
+    every declared quantization method; attention on queries after a cached context only where
+    chunked prefill or prefix caching is declared."""
+    out: list[OpCase] = []
+    chunked = capabilities.chunked_prefill or capabilities.prefix_caching
+    for dtype in sorted(capabilities.dtypes):
+        def add(op: str, label: str, **kw: Any) -> None:
+            out.append(OpCase(op, label, dtype, **kw))
+
+        for vocab, hidden, n in [(64, 32, 1), (500, 96, 37)]:
+            add("embedding", f"weight[{vocab}, {hidden}] ids[{n}]", params=dict(vocab=vocab, hidden=hidden, n=n))
+        for shape in [(1, 64), (7, 576), (2, 3, 128)]:
+            for residual in (False, True):
+                add("rms_norm", f"x{list(shape)}" + (" + residual" if residual else ""),
+                    params=dict(shape=shape, residual=residual))
+        for style in ("neox", "interleaved"):
+            for d, rot, heads, n in [(64, 64, (4, 4), 11), (128, 128, (8, 2), 11), (64, 32, (8, 2), 5),
+                                     (128, 64, (4, 4), 1)]:
+                add("rotary", f"{style} q[{n}, {heads[0]}, {d}] k[{n}, {heads[1]}, {d}] rotary_dim {rot}",
+                    head_dim=d, params=dict(style=style, rotary_dim=rot, heads=heads, n=n))
+        for n, fin, fout, bias in [(1, 64, 32, False), (9, 128, 96, True), (33, 576, 192, False)]:
+            add("linear", f"x[{n}, {fin}] weight[{fout}, {fin}]" + (" + bias" if bias else ""),
+                params=dict(n=n, **{"in": fin, "out": fout}, bias=bias))
+        for method in sorted(capabilities.quantization & {"wint8", "wint4"}):
+            for group in (-1, 64):
+                add("linear", f"x[5, 128] {method} weight[48, 128] group {group} + bias", quantization=method,
+                    params=dict(n=5, **{"in": 128, "out": 48}, bias=True, group_size=group))
+        for n, inter in [(1, 8), (5, 64), (33, 1536)]:
+            add("silu_and_mul", f"x[{n}, {2 * inter}]", params=dict(n=n, inter=inter))
+        if dtype in capabilities.kv_cache_dtypes:
+            for name, seqs in ATTENTION_STEPS.items():
+                if name in ("prefix", "mixed", "long") and not chunked:
+                    continue
+                for heads, d in [((4, 4), 64), ((8, 2), 128)]:
+                    add("attention", f"{name} step {seqs} q heads {heads[0]} kv heads {heads[1]} head_dim {d} "
+                        f"block_size 16", head_dim=d, params=dict(seqs=seqs, heads=heads, block_size=16))
+        for experts, top_k, scoring, bias, renorm in [(4, 2, "softmax", False, True), (8, 2, "sigmoid", True, False)]:
+            add("moe", f"x[7, 32] {experts} experts top-{top_k} {scoring}" + (" + correction bias" if bias else "")
+                + (" renormalized" if renorm else ""),
+                params=dict(n=7, hidden=32, inter=48, experts=experts, top_k=top_k, scoring=scoring, bias=bias,
+                            renormalize=renorm))
+        for op in ("sample", "sample_async"):
+            for kind, rows, vocab, logprobs in [("greedy", 5, 1000, 0), ("filters", 8, 1000, 5),
+                                                ("penalties", 8, 300, 1)]:
+                add(op, f"{kind} logits[{rows}, {vocab}]" + (f" top {logprobs} logprobs" if logprobs else ""),
+                    params=dict(kind=kind, rows=rows, vocab=vocab, logprobs=logprobs))
+    return [c for c in out if ops is None or c.op in ops]

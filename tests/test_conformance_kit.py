@@ -1,0 +1,193 @@
+"""The conformance kit (``pytest --pyargs fd_core.conformance --fd-device NAME``): it passes for
+every in-tree backend, and it catches a backend whose numbers or manifest are wrong, naming
+what is wrong."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fd_core.testing.opcases import OpCase, OpMismatch, compare
+from tests.plugins import fake_dists
+
+REPO = Path(__file__).resolve().parents[1]
+VENDOR_BACKENDS = ["xpu", "iluvatar", "dcu", "gcu"]
+
+
+def run_kit(cwd: Path, *args: str, pythonpath: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in ("FD_EMULATE", "FD_BACKENDS")}
+    if pythonpath is not None:
+        environ["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(REPO)])
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--pyargs", "fd_core.conformance",
+         *args],
+        cwd=cwd, env=environ, capture_output=True, text=True, timeout=600,
+    )
+
+
+def summary(result: subprocess.CompletedProcess) -> str:
+    return result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device,runtime", [("cpu", None), ("cpu", "torch")])
+def test_kit_passes_for_the_cpu_backend(tmp_path, device, runtime):
+    result = run_kit(tmp_path, "--fd-device", device, *(["--fd-runtime", runtime] if runtime else []))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "failed" not in summary(result) and "passed" in summary(result)
+
+
+def _installed(name: str) -> bool:
+    return any(ep.name == name for ep in metadata.entry_points(group="fd.backends"))
+
+
+@pytest.mark.parametrize("device", VENDOR_BACKENDS)
+def test_kit_passes_for_each_vendor_backend_in_emulation(tmp_path, device):
+    if not _installed(device):
+        pytest.fail(f"fd-backend-{device} is not installed: pip install -e backends/{device} (the README's "
+                    f"test command does)")
+    result = run_kit(tmp_path, "--fd-device", device, "--fd-emulate")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    # emulated, every test runs: without the mode the chip is missing and device tests would skip
+    assert "failed" not in summary(result) and "skipped" not in summary(result), summary(result)
+
+
+# -- a backend whose numbers or manifest are wrong ------------------------------------------------
+
+WRONG = """
+    from fd_core.interfaces import Capabilities
+    from fd_core.plugins import hookimpl
+
+    FD_API_VERSION = "1.3"
+
+    class Wrong:
+        name = "wrongchip"
+        device_type = "wrongchip"
+        runtime = "paddle"
+
+        def is_available(self):
+            return True, ""
+
+        def device_count(self):
+            return 1
+
+        def capabilities(self):
+            return Capabilities(chunked_prefill=True, memory_query=True, graph_capture=GRAPHS)
+
+        def memory(self, device_index=0):
+            from fd_core.runtimes.paddle import PaddleMemory
+            return PaddleMemory("cpu")
+
+        def communicator(self, rank=0, world_size=1, rendezvous=None):
+            from fd_core.runtimes.paddle import PaddleCommunicator
+            return PaddleCommunicator(rank, world_size)
+
+        def runner_hooks(self):
+            return None
+
+    def rms_norm(x, weight, eps, residual=None):
+        from fd_core.runtimes.paddle import REFERENCE_OPS
+        out = REFERENCE_OPS["rms_norm"](x, weight, eps, residual)
+        if residual is None:
+            return out * 1.001  # a 0.1% error: far outside the spec's tolerance
+        return out
+
+    @hookimpl
+    def fd_platforms():
+        return [Wrong()]
+
+    @hookimpl
+    def fd_register_ops(registry):
+        registry.register("rms_norm", "wrongchip", rms_norm, name="bad-rms-norm", priority=10)
+        registry.use_reference("wrongchip", "paddle")
+"""
+
+
+def _install_wrong(tmp_path: Path, graphs: bool = False) -> Path:
+    site = tmp_path / "site"
+    fake_dists.install(site, "fd-backend-wrongchip", "fd_backend_wrongchip",
+                       WRONG.replace("GRAPHS", str(graphs)), "wrongchip")
+    return site
+
+
+def test_kit_names_the_op_the_shape_and_the_error(tmp_path):
+    site = _install_wrong(tmp_path)
+    result = run_kit(tmp_path, "--fd-device", "wrongchip", "-k", "rms_norm", pythonpath=site)
+    assert result.returncode == 1, result.stdout[-4000:]
+    out = result.stdout
+    assert "op rms_norm (implementation 'bad-rms-norm') on x[7, 576], float32: y differs from the spec: " \
+           "max abs error" in out, out[-4000:]
+    # the same op with a residual is right, and passes
+    assert "3 failed, 3 passed" in summary(result), summary(result)
+
+
+def test_kit_catches_a_manifest_the_backend_does_not_back(tmp_path):
+    site = _install_wrong(tmp_path, graphs=True)
+    result = run_kit(tmp_path, "--fd-device", "wrongchip", "-k", "manifest", pythonpath=site)
+    assert result.returncode == 1
+    assert "graph_capture is declared but runner_hooks() provides no wrap_forward" in result.stdout
+
+
+def test_kit_without_a_device_is_a_usage_error(tmp_path):
+    result = run_kit(tmp_path)
+    assert result.returncode == 4 and "needs --fd-device NAME" in result.stderr, result.stderr[-2000:]
+
+
+def test_kit_reports_a_missing_backend(tmp_path):
+    result = run_kit(tmp_path, "--fd-device", "nosuchchip", "-k", "discovered")
+    assert result.returncode == 1 and "no installed backend provides it" in result.stdout
+
+
+def test_compare_message():
+    case = OpCase("linear", "x[2, 3] weight[4, 3]", "bfloat16")
+    want = np.zeros((2, 4), np.float32)
+    got = want.copy()
+    got[1, 2] = 0.5
+    with pytest.raises(OpMismatch) as err:
+        compare(case, "mine", "output", got, want)
+    assert str(err.value) == (
+        "op linear (implementation 'mine') on x[2, 3] weight[4, 3], bfloat16: output differs from the spec: "
+        "max abs error 0.5 at index [1, 2] (got 0.5, spec 0); 1 of 8 elements outside rtol=0.016, atol=0.016")
+    compare(case, "mine", "output", want + 0.01, want)  # within bfloat16's tolerance
+    with pytest.raises(OpMismatch, match="has shape \\[4, 2\\], the spec's has \\[2, 4\\]"):
+        compare(case, "mine", "output", want.T, want)
+
+
+# -- fd backend new -------------------------------------------------------------------------------
+
+
+def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path):
+    made = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backend", "new", "mychip",
+                           "--output", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    package = tmp_path / "fd-backend-mychip"
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                                "--target", str(site), str(package)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    result = run_kit(tmp_path, "--fd-device", "mychip", "--fd-emulate", pythonpath=site)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "failed" not in summary(result) and "skipped" not in summary(result), summary(result)
+    # its own suite (the kit wired in through its pyproject, plus its platform tests)
+    environ = {k: v for k, v in os.environ.items() if k != "FD_EMULATE"}
+    environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
+    own = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--fd-emulate"],
+                         cwd=package, env=environ, capture_output=True, text=True, timeout=600)
+    assert own.returncode == 0, own.stdout[-6000:]
+    assert "passed" in summary(own) and "failed" not in summary(own)
+
+
+def test_backend_new_refuses_bad_or_taken_names(tmp_path):
+    from fd_core.entrypoints.cli import main
+
+    assert main(["backend", "new", "Bad-Name", "--output", str(tmp_path)]) == 2
+    assert main(["backend", "new", "cpu", "--output", str(tmp_path)]) == 2
+    assert main(["backend", "new", "okchip", "--output", str(tmp_path)]) == 0
+    assert main(["backend", "new", "okchip", "--output", str(tmp_path)]) == 2  # the folder exists
+    assert not (tmp_path / "fd-backend-bad-name").exists()

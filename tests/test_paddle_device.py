@@ -1,0 +1,323 @@
+"""The shared base of the vendor backends on the Paddle runtime (fd_core.runtimes.paddle.device)
+and the adapters over Paddle's fused kernels (fd_core.runtimes.paddle.fused)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from fd_core.interfaces import Capabilities, Communicator, Platform
+from fd_core.plugins import OpRegistry
+from fd_core.runtimes import paddle as runtime
+from fd_core.runtimes.paddle import REFERENCE_OPS, fused
+from fd_core.runtimes.paddle.device import EMULATE_ENV, PaddleDevicePlatform, emulated
+from fd_core.testing import spec
+from fd_core.testing.spec import TOLERANCES
+
+
+def pd(a: np.ndarray) -> paddle.Tensor:
+    return paddle.to_tensor(a)
+
+
+# --- the adapters against the spec, on the CPU place where the kernel exists ------------------
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (2, 3, 32), (1, 8)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_adapter_matches_spec(shape, with_residual):
+    assert fused.available("rms_norm", "cpu")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    r = rng.standard_normal(shape).astype(np.float32) if with_residual else None
+    got = fused.rms_norm(pd(x), pd(w), 1e-5, None if r is None else pd(r))
+    want = spec.rms_norm(x, w, 1e-5, r)
+    if with_residual:
+        assert isinstance(got, tuple) and len(got) == 2
+        for g, s in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), s, **TOLERANCES["rms_norm"])
+            assert g.dtype == paddle.float32
+    else:
+        np.testing.assert_allclose(got.numpy(), want, **TOLERANCES["rms_norm"])
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (1, 2), (7, 96)])
+def test_silu_and_mul_adapter_matches_spec(shape):
+    assert fused.available("silu_and_mul", "cpu")
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32) * 4
+    np.testing.assert_allclose(fused.silu_and_mul(pd(x)).numpy(), spec.silu_and_mul(x), **TOLERANCES["silu_and_mul"])
+
+
+def test_probe_says_which_kernels_cpu_paddle_lacks():
+    # CPU Paddle 3.3.1: no fused rope, no weight-only GEMM; the CPU kernels are float32 only
+    assert not fused.available("rotary", "cpu")
+    assert not fused.available("weight_only_linear", "cpu", "float16")
+    ok, why = fused.probe("rotary", "cpu")
+    assert not ok and "fused_rotary_position_embedding" in why
+    assert not fused.available("rms_norm", "cpu", "bfloat16")
+    report = fused.probe_report("cpu")
+    assert report["fused_rms_norm"]["float32"] == "ok" and report["swiglu"]["float32"] == "ok"
+    with pytest.raises(ValueError, match="no fused kernel probe"):
+        fused._probe_case("attention", "cpu", "float32")
+
+
+def _paddle_rope(q, k, v, sin, cos, position_ids, use_neox_rotary_style, time_major):
+    """A stand-in for fused_rotary_position_embedding where Paddle has no kernel (the CPU),
+    written from the GPU kernel's definition (Paddle's paddle/phi/kernels/fusion/gpu/
+    fused_rope_utils.h): out[d] = x[d] * cos[d] + rotate(x)[d] * sin[d], rotate pairing adjacent
+    dims when use_neox_rotary_style, else the two halves; cos/sin [1, S, 1, D]."""
+    assert position_ids is None and not time_major and v is None
+    c, s = cos.numpy(), sin.numpy()
+
+    def apply(x):
+        x = x.numpy()
+        d = x.shape[-1]
+        rotated = np.empty_like(x)
+        if use_neox_rotary_style:
+            rotated[..., 0::2], rotated[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+        else:
+            rotated[..., : d // 2], rotated[..., d // 2:] = -x[..., d // 2:], x[..., : d // 2]
+        return paddle.to_tensor((x * c + rotated * s).astype(x.dtype))
+
+    return apply(q), apply(k), None
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("head_dim,rot", [(16, 16), (16, 8), (12, 4)])
+def test_rotary_adapter_maps_the_contract_onto_the_kernel(monkeypatch, style, head_dim, rot):
+    """The adapter's layout (cos/sin per rotated dim, Paddle's inverted style names, partial
+    rotary, GQA) against the spec, through a stand-in of the kernel: CPU Paddle has none."""
+    monkeypatch.setattr(fused.IF, "fused_rotary_position_embedding",
+                        lambda q, k, v, sin, cos, position_ids, use_neox_rotary_style, time_major:
+                        _paddle_rope(q, k, v, sin, cos, position_ids, use_neox_rotary_style, time_major))
+    rng = np.random.default_rng(3)
+    n, hq, hk, max_pos = 5, 4, 2, 11
+    inv_freq = 1.0 / 10000 ** (np.arange(0, rot, 2) / rot)
+    angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
+    cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    positions = np.array([0, 3, 10, 7, 3], np.int64)
+    q = rng.standard_normal((n, hq, head_dim)).astype(np.float32)
+    k = rng.standard_normal((n, hk, head_dim)).astype(np.float32)
+    got_q, got_k = fused.rotary(pd(positions), pd(q), pd(k), pd(cos_sin), style)
+    want_q, want_k = spec.rotary(positions, q, k, cos_sin, style)
+    assert got_q.shape == list(q.shape) and got_k.shape == list(k.shape)
+    np.testing.assert_allclose(got_q.numpy(), want_q, **TOLERANCES["rotary"])
+    np.testing.assert_allclose(got_k.numpy(), want_k, **TOLERANCES["rotary"])
+
+
+def test_rotary_adapter_rejects_unknown_style():
+    with pytest.raises(ValueError, match="unknown rotary style"):
+        fused.rotary(pd(np.zeros(1, np.int64)), pd(np.zeros((1, 1, 4), np.float32)),
+                     pd(np.zeros((1, 1, 4), np.float32)), pd(np.zeros((1, 4), np.float32)), "gptj")
+
+
+def test_register_fused_declines_where_the_kernel_is_missing():
+    registry = OpRegistry()
+    registry.register_reference("paddle", REFERENCE_OPS)
+    fused.register_fused(registry, "chip", lambda: "cpu")
+    registry.use_reference("chip", "paddle")
+    for impl in (i for op in fused.FUSED_OPS for i in registry.implementations(op, "chip")):
+        assert impl.runtime == "paddle" and impl.priority == 10
+    table = registry.select("chip", "paddle", {"dtype": "float32", "head_dim": 64, "quantization": None})
+    chosen = {op: c.impl.name for op, c in table.choices.items()}
+    assert chosen["rms_norm"] == "fused_rms_norm"
+    assert chosen["silu_and_mul"] == "swiglu"
+    assert chosen["rotary"] == "reference"  # fused_rope declined: no fused rope on the CPU place
+    assert table.rms_norm is fused.rms_norm
+    # outside what the kernels do: another dtype, an odd head size
+    half = registry.select("chip", "paddle", {"dtype": "bfloat16", "head_dim": 64})
+    assert half.choices["rms_norm"].impl.name == "reference"
+    rotary_impl = registry.implementations("rotary", "chip")[0]
+    assert not rotary_impl.supports(dtype="float32", head_dim=7)
+    # a torch engine never sees them
+    assert registry.implementations("rms_norm", "chip", "torch") == []
+
+
+# --- the base platform ------------------------------------------------------------------------
+
+
+class ChipPlatform(PaddleDevicePlatform):
+    name = "chip"
+    device_type = "chip"
+    paddle_device = "chipdev"
+    visible_devices_env = "CHIP_VISIBLE_DEVICES"
+    collective_backend = "xccl"
+    collective_library = "cccl"
+    requirement = "paddle-custom-chip"
+
+    def __init__(self, found: tuple[int, str] = (0, "paddle 3.3.1 is not built with chip support; "
+                                                     "install paddle-custom-chip")) -> None:
+        self.found = found
+        self.probes = 0
+
+    def probe(self):
+        self.probes += 1
+        if isinstance(self.found, Exception):
+            raise self.found
+        return self.found
+
+    def chip_capabilities(self):
+        return self.manifest(("float32", "bfloat16"), memory_query=False)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    monkeypatch.delenv("CHIP_VISIBLE_DEVICES", raising=False)
+
+
+def test_is_a_platform():
+    assert isinstance(ChipPlatform(), Platform)
+    assert ChipPlatform.runtime == "paddle"
+
+
+def test_unavailable_with_the_probe_sentence():
+    p = ChipPlatform()
+    ok, why = p.is_available()
+    assert not ok and why == "paddle 3.3.1 is not built with chip support; install paddle-custom-chip"
+    assert p.device_count() == 0
+    assert p.capabilities().device_count == 0  # the manifest is still shown (fd backends)
+
+
+def test_available_when_the_probe_finds_devices():
+    p = ChipPlatform((4, ""))
+    assert p.is_available() == (True, "")
+    caps = p.capabilities()
+    assert caps.device_count == 4
+    assert caps.dtypes == frozenset({"float32", "bfloat16"}) == caps.kv_cache_dtypes
+    assert caps.collective_library == "cccl"
+    assert caps.quantization == frozenset() and not caps.graph_capture and not caps.memory_profiling
+    assert caps.prefix_caching and caps.chunked_prefill and caps.kv_swap and not caps.memory_query
+    assert p.describe_devices() == ["chipdev:0", "chipdev:1", "chipdev:2", "chipdev:3"]
+    assert p.default_max_num_batched_tokens is None
+    assert p.runner_hooks() is None
+
+
+def test_zero_devices_without_a_reason_still_says_why():
+    ok, why = ChipPlatform((0, "")).is_available()
+    assert not ok and why == "Paddle sees no chip device"
+
+
+def test_a_failing_probe_is_a_reason_not_a_crash():
+    p = ChipPlatform(OSError("libchip.so: cannot open shared object file"))
+    ok, why = p.is_available()
+    assert not ok and "libchip.so" in why and why.startswith("the chip probe could not run")
+
+
+def test_empty_visible_devices_means_none_without_probing(monkeypatch):
+    monkeypatch.setenv("CHIP_VISIBLE_DEVICES", "")
+    p = ChipPlatform((8, ""))
+    ok, why = p.is_available()
+    assert not ok and why == "CHIP_VISIBLE_DEVICES is set but empty, so no chip device is visible"
+    assert p.probes == 0
+
+
+def test_helper_sentences():
+    p = ChipPlatform()
+    assert p.not_built(paddle, "chip support") == (
+        0, f"paddle {paddle.__version__} is not built with chip support; install paddle-custom-chip")
+    count, why = p.no_device(paddle)
+    assert count == 0 and "CHIP_VISIBLE_DEVICES" in why
+
+
+@pytest.mark.parametrize("value", ["chip", "other,chip", "all", " all "])
+def test_emulate_env_names_platforms(monkeypatch, value):
+    monkeypatch.setenv(EMULATE_ENV, value)
+    assert emulated("chip") and ChipPlatform().emulated
+
+
+def test_emulate_env_other_platform(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "xpu")
+    assert not ChipPlatform().emulated
+
+
+@pytest.mark.parametrize("visible,count", [(None, 1), ("0,1,2", 3), ("3", 1), ("", 0), (" , ", 0)])
+def test_emulation_fakes_the_probe_from_the_visible_devices(monkeypatch, visible, count):
+    monkeypatch.setenv(EMULATE_ENV, "chip")
+    if visible is not None:
+        monkeypatch.setenv("CHIP_VISIBLE_DEVICES", visible)
+    p = ChipPlatform(AssertionError("the real probe must not run in emulation"))
+    ok, why = p.is_available()
+    assert (ok, p.device_count()) == (count > 0, count)
+    assert why == ("" if count else "CHIP_VISIBLE_DEVICES is set but empty, so no chip device is visible")
+    assert p.probes == 0
+
+
+def test_emulated_capabilities_are_the_chip_narrowed_to_the_cpu(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "chip")
+    monkeypatch.setenv("CHIP_VISIBLE_DEVICES", "0,1")
+    caps = ChipPlatform().capabilities()
+    assert caps == Capabilities(
+        dtypes=frozenset({"float32"}), kv_cache_dtypes=frozenset({"float32"}), quantization=frozenset(),
+        graph_capture=False, prefix_caching=True, chunked_prefill=True, kv_swap=True,
+        collective_library="gloo", pinned_host_memory=False, device_count=2, memory_query=True,
+        memory_profiling=False,
+    )
+
+
+def test_emulated_memory_place_and_names(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "chip")
+    p = ChipPlatform()
+    memory = p.memory(0)
+    assert isinstance(memory, runtime.PaddleMemory) and memory.device == "cpu"
+    free, total = memory.memory_info()
+    assert 0 < free <= total
+    assert p.kernel_place() == "cpu"
+    assert p.describe_devices() == ["chip 0 (emulated on the CPU: FD_EMULATE)"]
+    assert p.default_max_num_batched_tokens == 256
+
+
+def test_memory_on_the_chip_sets_the_device(monkeypatch):
+    made, current = [], []
+    monkeypatch.setattr(runtime, "PaddleMemory", lambda device: made.append(device) or device)
+    p = ChipPlatform((2, ""))
+    monkeypatch.setattr(p, "_set_device", current.append)
+    assert p.memory(1) == "chipdev:1"
+    assert made == ["chipdev:1"] and current == ["chipdev:1"]
+
+
+def _record_init(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime, "init_process_group",
+                        lambda rank, world_size, rendezvous, backend="gloo": calls.append(
+                            (rank, world_size, rendezvous, backend)))
+    return calls
+
+
+def test_communicator_joins_the_chips_collective_backend(monkeypatch):
+    calls = _record_init(monkeypatch)
+    monkeypatch.delenv("FLAGS_selected_chipdevs", raising=False)
+    monkeypatch.delenv("PADDLE_XCCL_BACKEND", raising=False)
+    p = ChipPlatform((2, ""))
+    devices = []
+    monkeypatch.setattr(p, "_set_device", devices.append)
+    comm = p.communicator(rank=3, world_size=4, rendezvous="127.0.0.1:1,2,3,4")
+    assert isinstance(comm, Communicator) and (comm.rank, comm.world_size) == (3, 4)
+    assert calls == [(3, 4, "127.0.0.1:1,2,3,4", "xccl")]
+    assert devices == ["chipdev:1"]  # rank 3 of 2 devices
+    import os
+
+    assert os.environ["FLAGS_selected_chipdevs"] == "1"
+    assert os.environ["PADDLE_XCCL_BACKEND"] == "chipdev"
+
+
+def test_communicator_single_rank_joins_nothing(monkeypatch):
+    calls = _record_init(monkeypatch)
+    comm = ChipPlatform((1, "")).communicator()
+    assert calls == [] and (comm.rank, comm.world_size) == (0, 1)
+
+
+def test_emulated_communicator_uses_gloo(monkeypatch):
+    monkeypatch.setenv(EMULATE_ENV, "chip")
+    calls = _record_init(monkeypatch)
+    ChipPlatform().communicator(rank=1, world_size=2, rendezvous="127.0.0.1:5,6")
+    assert calls == [(1, 2, "127.0.0.1:5,6", "gloo")]
+
+
+def test_kernel_place_on_the_chip_is_the_current_device(monkeypatch):
+    p = ChipPlatform((2, ""))
+    monkeypatch.setattr(paddle.device, "get_device", lambda: "chipdev:1")
+    assert p.kernel_place() == "chipdev:1"
+    monkeypatch.setattr(paddle.device, "get_device", lambda: "cpu")
+    assert p.kernel_place() == "chipdev:0"
