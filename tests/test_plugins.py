@@ -13,6 +13,7 @@ import pytest
 from fd_core.errors import BackendError, ConfigError
 from fd_core.interfaces import Capabilities, is_compatible
 from fd_core.plugins import BackendRegistry, OpRegistry
+from fd_core.testing.models import write_checkpoint
 from tests.plugins import fake_dists
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +65,20 @@ def test_failures_are_reported_and_cpu_keeps_working(site):
         reg.platform("broken")
     with pytest.raises(BackendError, match="no such backend.*installed backends: cpu, .*toy"):
         reg.platform("nonexistent")
+
+
+def test_a_registration_that_fails_part_way_leaves_nothing_behind(site):
+    fake_dists.install(site, "fd-backend-half", "fd_backend_half", fake_dists.HALF_REGISTERED, "half")
+    try:
+        reg = BackendRegistry()
+        half = {r.name: r for r in reg.records}["half"]
+        assert half.error == "hook failed: RuntimeError: the vendor kernel library is missing"
+        assert [i.name for i in reg.ops.implementations("silu_and_mul", "cpu")] == []
+        assert ("halfchip", "paddle") not in reg.ops._adopted
+        rows = {op: impl for op, impl, _, _ in reg.op_table(reg.platform("cpu"), {"dtype": "float32"}).describe()}
+        assert rows["silu_and_mul"] != "half-silu"
+    finally:
+        sys.modules.pop("fd_backend_half", None)
 
 
 @pytest.mark.oracle
@@ -133,13 +148,28 @@ def test_fd_backends_cli_reports_everything(site):
     assert "reason: import failed" in text.stdout
 
 
-def test_fd_doctor_prints_the_chosen_table(site):
+def test_fd_doctor_prints_the_chosen_table(site, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     out = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "toy",
                           "--op", "attention=reference"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
     assert "toy-silu" in lines["silu_and_mul"] and "pinned by the user" in lines["attention"]
+    assert out.stdout.splitlines()[1] == "  for float32, any head size (--model applies one)"
+    assert "declined" in lines["rotary"] and "toy-rope-16" not in lines["rotary"].split()[1]
+    # with a model, the choice is the engine's: its head size (16) is what the kernel takes
+    model = tmp_path / "tiny"
+    write_checkpoint(model)
+    out = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "toy",
+                          "--model", str(model)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert out.stdout.splitlines()[1] == f"  for float32, head size 16 ({model})"
+    assert lines["rotary"].split()[1] == "toy-rope-16"
+    missing = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "toy",
+                              "--model", str(tmp_path / "nowhere")], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert missing.returncode == 2 and "nowhere" in missing.stderr and "Traceback" not in missing.stderr
     bad = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "doctor", "--device", "broken"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "libvendor_runtime.so" in bad.stderr and "Traceback" not in bad.stderr

@@ -162,9 +162,10 @@ def test_fd_backends_and_doctor_show_the_runtimes():
     lines = out.stdout.splitlines()
     assert lines[0] == "device cpu (type cpu, runtime torch; also runs on paddle (--runtime))"
     optional = [name for name, s in OP_SPECS.items() if s.optional]
-    assert len(lines) == 1 + len(OP_SPECS)
-    assert all("for the torch runtime" in line for line in lines[1:] if line.split()[0] not in optional)
-    assert all("optional, not provided" in line for line in lines[1:] if line.split()[0] in optional)
+    assert lines[1] == "  for float32, any head size (--model applies one)"
+    assert len(lines) == 2 + len(OP_SPECS)
+    assert all("for the torch runtime" in line for line in lines[2:] if line.split()[0] not in optional)
+    assert all("optional, not provided" in line for line in lines[2:] if line.split()[0] in optional)
 
 
 def test_cli_flag_reaches_the_config():

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from fd_core.engine.config import EngineConfig
+from fd_core.engine.loading import op_context
 from fd_core.errors import ConfigError
 from fd_core.interfaces import (
     API_VERSION,
@@ -130,7 +131,7 @@ def test_op_table_is_complete_for_every_declared_dtype(fd_backend):
     caps = p.capabilities()
     for dtype in sorted(caps.dtypes):
         for head_dim in (64, 128):
-            table = fd_backend.registry.op_table(p, {"dtype": dtype, "head_dim": head_dim, "quantization": None})
+            table = fd_backend.registry.op_table(p, op_context(dtype, head_dim))
             assert not table.missing(), f"{dtype}, head_dim {head_dim}: no implementation of {table.missing()}"
     for op in OP_SPECS:  # a predicate that raises is reported by accepts(); it must not
         for impl in fd_backend.registry.ops.implementations(op, p.device_type, p.runtime):

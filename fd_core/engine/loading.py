@@ -10,6 +10,15 @@ from fd_core.engine.model_runner import ModelRunner
 from fd_core.interfaces import Communicator, Platform, RunnerLimits
 
 
+def op_context(dtype: str, head_dim: int | None = None) -> dict[str, Any]:
+    """What every op implementation's ``supports()`` is asked with when an engine starts (and by
+    ``fd doctor``, so that it shows the same choice): no head size means any."""
+    context: dict[str, Any] = {"dtype": dtype, "quantization": None}
+    if head_dim is not None:
+        context["head_dim"] = head_dim
+    return context
+
+
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
                 comm: Communicator | None = None, checkpoint: Any = None) -> ModelRunner:
     """``config.max_model_len`` must be resolved. ``checkpoint`` is loaded from ``config.model``
@@ -20,11 +29,8 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     checkpoint = checkpoint or load_checkpoint(resolve_model(config.model))
     model_config = checkpoint.config
     memory = platform.memory(rank % max(1, platform.device_count()))
-    ops = registry.op_table(
-        platform,
-        context={"dtype": config.dtype, "head_dim": model_config.head_dim, "quantization": None},
-        pins=config.op_pins,
-    )
+    ops = registry.op_table(platform, context=op_context(config.dtype, model_config.head_dim),
+                            pins=config.op_pins)
     tp = TensorParallel(rank, world_size, comm)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     model.load_weights(checkpoint.weights())

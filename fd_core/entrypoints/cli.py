@@ -96,15 +96,23 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from fd_core.engine.loading import op_context
     from fd_core.plugins import get_registry
     from fd_core.plugins.registry import platform_runtimes
 
     registry = get_registry()
     platform = registry.platform(args.device, args.runtime)
-    table = registry.op_table(platform, {"dtype": args.dtype}, _pins(args.op))
+    head_dim = None
+    if args.model is not None:
+        from fd_core.loader import load_checkpoint, resolve_model
+
+        head_dim = load_checkpoint(resolve_model(args.model)).config.head_dim
+    table = registry.op_table(platform, op_context(args.dtype, head_dim), _pins(args.op))
     others = [rt for rt in platform_runtimes(platform) if rt != platform.runtime]
     also = f"; also runs on {', '.join(others)} (--runtime)" if others else ""
     print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime}{also})")
+    print(f"  for {args.dtype}, "
+          + (f"head size {head_dim} ({args.model})" if head_dim else "any head size (--model applies one)"))
     for op, impl, source, why in table.describe():
         print(f"  {op:<13} {impl:<20} {source:<16} {why}")
     return 0
@@ -244,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--runtime", default=None, help="tensor library to run on (default: the backend's)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default=None,
+                   help="choose as an engine serving this model would (its head size); default: any model")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
     p.set_defaults(func=cmd_doctor)
 

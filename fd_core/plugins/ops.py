@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fd_core.errors import ConfigError
 from fd_core.interfaces import OP_SPECS
@@ -61,6 +62,22 @@ class OpRegistry:
         # (device_type, runtime) -> (name, priority, source) of an adopted reference table
         self._adopted: dict[tuple[str, str], tuple[str, int, str]] = {}
         self._current_source = ""
+
+    @contextmanager
+    def registering(self, source: str) -> Iterator[None]:
+        """One package's registration: what it registers is attributed to ``source``, and if it
+        raises part way, everything it registered is withdrawn, so a failed backend leaves no
+        half of its op table behind."""
+        impls = {key: list(found) for key, found in self._impls.items()}
+        adopted = dict(self._adopted)
+        self._current_source = source
+        try:
+            yield
+        except BaseException:
+            self._impls, self._adopted = impls, adopted
+            raise
+        finally:
+            self._current_source = ""
 
     def register(
         self,

@@ -187,11 +187,8 @@ class BackendRegistry:
                 record.platforms = list(platforms) if isinstance(platforms, (list, tuple)) else [platforms]
             op_impls = {i.plugin_name: i for i in self.pm.hook.fd_register_ops.get_hookimpls()}
             if record.name in op_impls:
-                self.ops._current_source = record.package
-                try:
+                with self.ops.registering(record.package):
                     _call(op_impls[record.name], registry=self.ops)
-                finally:
-                    self.ops._current_source = ""
         except Exception as exc:
             record.error = f"hook failed: {type(exc).__name__}: {exc}"
             record.platforms = []

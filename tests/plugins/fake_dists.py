@@ -81,4 +81,29 @@ EXTRA_OP = """
         registry.register("silu_and_mul", "toy", silu_and_mul, name="toy-silu", priority=10)
         registry.register("rms_norm", "toy", silu_and_mul, name="never", priority=5,
                           supports=lambda dtype=None, **_: dtype == "int3")
+        # a kernel built for one head size, as many fused rotary kernels are
+        registry.register("rotary", "toy", rotary, name="toy-rope-16", priority=10,
+                          supports=lambda head_dim=None, **_: head_dim == 16)
+
+    def rotary(*args, **kwargs):
+        from fd_core.runtimes.paddle import REFERENCE_OPS
+        return REFERENCE_OPS["rotary"](*args, **kwargs)
+"""
+
+# A backend whose registration fails part way, after it registered an op for a device type
+# another backend (cpu) also runs: none of what it registered may stay behind.
+HALF_REGISTERED = """
+    from fd_core.plugins import hookimpl
+
+    FD_API_VERSION = "1.0"
+
+    @hookimpl
+    def fd_platforms():
+        return []
+
+    @hookimpl
+    def fd_register_ops(registry):
+        registry.register("silu_and_mul", "cpu", lambda x: x, name="half-silu", priority=99)
+        registry.use_reference("halfchip", "paddle", name="half-reference")
+        raise RuntimeError("the vendor kernel library is missing")
 """
