@@ -47,12 +47,19 @@ def _installed(name: str) -> bool:
     return any(ep.name == name for ep in metadata.entry_points(group="fd.backends"))
 
 
+def visible_devices_env(device: str) -> str:
+    from fd_core.plugins import get_registry
+
+    return next(p for p in get_registry().platforms() if p.name == device).visible_devices_env
+
+
 @pytest.mark.parametrize("device", VENDOR_BACKENDS)
 def test_kit_passes_for_each_vendor_backend_in_emulation(tmp_path, device):
     if not _installed(device):
         pytest.fail(f"fd-backend-{device} is not installed: pip install -e backends/{device} (the README's "
                     f"test command does)")
-    result = run_kit(tmp_path, "--fd-device", device, "--fd-emulate")
+    # two emulated devices, so that the collectives run across two ranks too
+    result = run_kit(tmp_path, "--fd-device", device, "--fd-emulate", env={visible_devices_env(device): "0,1"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     # emulated, every test runs: without the mode the chip is missing and device tests would skip
     assert "failed" not in summary(result) and "skipped" not in summary(result), summary(result)
@@ -134,6 +141,65 @@ def test_kit_catches_a_manifest_the_backend_does_not_back(tmp_path):
     assert "graph_capture is declared but runner_hooks() provides no wrap_forward" in result.stdout
 
 
+# A two-device backend whose all_gather puts the ranks' parts in the wrong order.
+SWAPPED_GATHER = """
+    from fd_core.interfaces import Capabilities
+    from fd_core.plugins import hookimpl
+
+    FD_API_VERSION = "1.3"
+
+    class Swapped:
+        name = "swapchip"
+        device_type = "swapchip"
+        runtime = "paddle"
+
+        def is_available(self):
+            return True, ""
+
+        def device_count(self):
+            return 2
+
+        def capabilities(self):
+            return Capabilities(device_count=2, collective_library="gloo")
+
+        def memory(self, device_index=0):
+            from fd_core.runtimes.paddle import PaddleMemory
+            return PaddleMemory("cpu")
+
+        def communicator(self, rank=0, world_size=1, rendezvous=None):
+            import paddle
+            from fd_core.runtimes.paddle import PaddleCommunicator, init_process_group
+
+            class Comm(PaddleCommunicator):
+                def all_gather(self, tensor, axis=-1):
+                    return paddle.flip(super().all_gather(tensor, axis), [axis])
+
+            if world_size > 1:
+                init_process_group(rank, world_size, rendezvous)
+            return Comm(rank, world_size)
+
+        def runner_hooks(self):
+            return None
+
+    @hookimpl
+    def fd_platforms():
+        return [Swapped()]
+
+    @hookimpl
+    def fd_register_ops(registry):
+        registry.use_reference("swapchip", "paddle")
+"""
+
+
+def test_kit_runs_the_collectives_across_two_ranks_and_names_a_wrong_one(tmp_path):
+    site = tmp_path / "site"
+    fake_dists.install(site, "fd-backend-swapchip", "fd_backend_swapchip", SWAPPED_GATHER, "swapchip")
+    result = run_kit(tmp_path, "--fd-device", "swapchip", "-k", "collective", pythonpath=site)
+    assert result.returncode == 1, result.stdout[-4000:]
+    assert "swapchip, float32: all_gather(axis=0) on rank 0 of 2 gave [[1.0, 1.0], [0.0, 0.0]], expected " \
+           "[[0, 0], [1, 1]]" in result.stdout, result.stdout[-4000:]
+
+
 def test_kit_without_a_device_is_a_usage_error(tmp_path):
     result = run_kit(tmp_path)
     assert result.returncode == 4 and "needs --fd-device NAME" in result.stderr, result.stderr[-2000:]
@@ -171,7 +237,8 @@ def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path):
     installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                                 "--target", str(site), str(package)], capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr[-3000:]
-    result = run_kit(tmp_path, "--fd-device", "mychip", "--fd-emulate", pythonpath=site)
+    result = run_kit(tmp_path, "--fd-device", "mychip", "--fd-emulate", pythonpath=site,
+                     env={"MYCHIP_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "failed" not in summary(result) and "skipped" not in summary(result), summary(result)
     # its own suite (the kit wired in through its pyproject, plus its platform tests)
