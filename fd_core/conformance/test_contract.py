@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.loading import op_context
 from fd_core.errors import ConfigError
 from fd_core.interfaces import (
     API_VERSION,
@@ -18,6 +17,7 @@ from fd_core.interfaces import (
     Platform,
     is_compatible,
 )
+from fd_core.plugins.ops import op_context
 from fd_core.plugins.registry import platform_runtimes, runtime_installed
 
 # What the contract's words mean today; a manifest naming anything else is a typo or a promise
@@ -137,7 +137,7 @@ def test_op_table_is_complete_for_every_declared_dtype(fd_backend):
         for impl in fd_backend.registry.ops.implementations(op, p.device_type, p.runtime):
             for dtype in sorted(caps.dtypes):
                 for quantization in [None, *sorted(caps.quantization)]:
-                    ok, why = impl.accepts({"dtype": dtype, "head_dim": 64, "quantization": quantization})
+                    ok, why = impl.accepts(op_context(dtype, 64, quantization))
                     assert "raised" not in why, f"{op} implementation {impl.name!r} ({impl.source}): {why}"
 
 

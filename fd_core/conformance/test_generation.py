@@ -26,15 +26,11 @@ def tiny(tmp_path_factory):
     return folder, prompts, expected
 
 
-def _dtype(caps) -> str:
-    return "float32" if "float32" in caps.dtypes else sorted(caps.dtypes)[0]
-
-
 def _generate(fd_backend, folder, prompts, **engine_args) -> list[list[int]]:
     from fd_core import LLM, SamplingParams
 
     llm = LLM(str(folder), device=fd_backend.device, runtime=fd_backend.runtime,
-              dtype=_dtype(fd_backend.capabilities), max_model_len=128, max_num_seqs=4, num_kv_blocks=48,
+              dtype=fd_backend.dtype, max_model_len=128, max_num_seqs=4, num_kv_blocks=48,
               **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -45,7 +41,7 @@ def _generate(fd_backend, folder, prompts, **engine_args) -> list[list[int]]:
 
 
 def _check(fd_backend, got: list[list[int]], expected, what: str) -> None:
-    gap = NEAR_TIE[_dtype(fd_backend.capabilities)]
+    gap = NEAR_TIE[fd_backend.dtype]
     for i, (tokens, (want, logprobs)) in enumerate(zip(got, expected)):
         assert len(tokens) == MAX_TOKENS, f"{what}: prompt {i} gave {len(tokens)} tokens, asked for {MAX_TOKENS}"
         for step, (a, b) in enumerate(zip(tokens, want)):

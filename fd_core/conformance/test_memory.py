@@ -65,8 +65,7 @@ def _blocks(array: np.ndarray, block: int) -> np.ndarray:
 
 def test_copy_blocks_copies_whole_blocks_in_every_layer(fd_backend):
     memory = fd_backend.memory()
-    dtype = "float32" if "float32" in fd_backend.capabilities.kv_cache_dtypes else sorted(fd_backend.capabilities.kv_cache_dtypes)[0]
-    caches, _ = _filled(memory, dtype, 1)
+    caches, _ = _filled(memory, fd_backend.dtype, 1)
     host = [tuple(np.asarray(memory.to_numpy(t)) for t in pair) for pair in caches]  # as stored
     moves = [(0, 3), (2, 5), (3, 1)]  # block 3 is both a destination and a source: read first
     memory.copy_blocks(caches, BLOCK_SIZE, moves)
@@ -85,7 +84,7 @@ def test_swap_out_and_back_where_kv_swap_is_declared(fd_backend):
     if not caps.kv_swap:
         pytest.skip("kv_swap is not declared (--swap-space is refused at start-up instead)")
     memory = fd_backend.memory()
-    dtype = "float32" if "float32" in caps.kv_cache_dtypes else sorted(caps.kv_cache_dtypes)[0]
+    dtype = fd_backend.dtype
     device, _ = _filled(memory, dtype, 2)
     stored = [tuple(np.asarray(memory.to_numpy(t)) for t in pair) for pair in device]
     swap = memory.allocate_host_kv_cache(LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype)

@@ -8,15 +8,7 @@ from typing import Any
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
 from fd_core.interfaces import Communicator, Platform, RunnerLimits
-
-
-def op_context(dtype: str, head_dim: int | None = None) -> dict[str, Any]:
-    """What every op implementation's ``supports()`` is asked with when an engine starts (and by
-    ``fd doctor``, so that it shows the same choice): no head size means any."""
-    context: dict[str, Any] = {"dtype": dtype, "quantization": None}
-    if head_dim is not None:
-        context["head_dim"] = head_dim
-    return context
+from fd_core.plugins.ops import op_context
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,

@@ -96,8 +96,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from fd_core.engine.loading import op_context
     from fd_core.plugins import get_registry
+    from fd_core.plugins.ops import op_context
     from fd_core.plugins.registry import platform_runtimes
 
     registry = get_registry()

@@ -81,32 +81,23 @@ def fd_register_ops(registry):
 PLATFORM = '''\
 """The $name platform: a PaddlePaddle custom device (PaddleCustomDevice plugin "$name").
 
-Detection, memory, collectives and the emulation mode (FD_EMULATE=$name) come from
-``PaddleDevicePlatform``; this class says what is particular to the chip.
+Detection (the plugin's device type and count), memory, collectives (the custom-device XCCL) and
+the emulation mode (FD_EMULATE=$name) come from ``PaddleCustomDevicePlatform``; this class says
+what is particular to the chip.
 """
 
 from __future__ import annotations
 
 from fd_core.interfaces import Capabilities
-from fd_core.runtimes.paddle.device import PaddleDevicePlatform, custom_device_count
+from fd_core.runtimes.paddle.device import PaddleCustomDevicePlatform
 
 
-class ${Camel}Platform(PaddleDevicePlatform):
+class ${Camel}Platform(PaddleCustomDevicePlatform):
     name = "$name"
     device_type = "$name"
     paddle_device = "$name"  # places are "$name:0", "$name:1"...
     visible_devices_env = "${upper}_VISIBLE_DEVICES"
-    collective_backend = "xccl"  # custom devices reach their collective library through XCCL
-    collective_library = "xccl"
     requirement = "PaddlePaddle with the $name custom-device plugin"
-
-    def probe(self) -> tuple[int, str]:
-        import paddle
-
-        if "$name" not in paddle.device.get_all_custom_device_type():
-            return self.not_built(paddle, "the $name custom device")
-        count = custom_device_count("$name")
-        return (count, "") if count else self.no_device(paddle)
 
     def chip_capabilities(self) -> Capabilities:
         # Declare only what this backend really does on the chip: the conformance kit tests
@@ -149,26 +140,26 @@ from fd_core.conformance.kit import *  # noqa: F401,F403
 '''
 
 TEST_PLATFORM = '''\
-"""What the kit cannot know about this chip: how it is detected."""
+"""What the kit cannot know about this chip: how it is detected, what it declares, and its op
+table in emulation (fd_core.testing.paddle_device's checks, run with this chip's facts)."""
 
 from __future__ import annotations
 
+from fd_core.testing.paddle_device import CustomDeviceChecks
+
+from fd_backend_$name import plugin
 from fd_backend_$name.platform import ${Camel}Platform
 
 
-def test_an_empty_visible_devices_variable_hides_every_device(monkeypatch):
-    monkeypatch.delenv("FD_EMULATE", raising=False)
-    monkeypatch.setenv("${upper}_VISIBLE_DEVICES", "")
-    ok, why = ${Camel}Platform().is_available()
-    assert not ok and "${upper}_VISIBLE_DEVICES" in why
-
-
-def test_emulation_sees_one_device_per_visible_entry(monkeypatch):
-    monkeypatch.setenv("FD_EMULATE", "$name")
-    monkeypatch.setenv("${upper}_VISIBLE_DEVICES", "0,1")
-    platform = ${Camel}Platform()
-    assert platform.is_available() == (True, "")
-    assert platform.capabilities().device_count == 2
+class Test${Camel}Platform(CustomDeviceChecks):
+    platform_class = ${Camel}Platform
+    plugin = plugin
+    paddle_device = "$name"
+    visible_devices_env = "${upper}_VISIBLE_DEVICES"
+    not_built = "is not built with the $name custom device; install PaddlePaddle with the $name custom-device plugin"
+    dtypes = frozenset({"float32"})  # keep in step with chip_capabilities()
+    # in emulation: this package's silu_and_mul, Paddle's standard kernels for the rest
+    emulated_ops = {"silu_and_mul": "$name-silu-and-mul", "rms_norm": "reference", "attention": "reference"}
 '''
 
 README = """\
@@ -195,9 +186,10 @@ FD_EMULATE=$name fd serve --device $name      # serve the default model on the e
 
 ## What to fill in
 
-- `fd_backend_$name/platform.py`: how Paddle detects the chip (`probe`), its visible-devices
-  variable, its collective library, and an honest `chip_capabilities()` (every dtype and
-  feature listed there is tested by the kit; fd refuses the rest at start-up);
+- `fd_backend_$name/platform.py`: its visible-devices variable and an honest
+  `chip_capabilities()` (every dtype and feature listed there is tested by the kit; fd refuses
+  the rest at start-up); override `probe` if the chip is not a PaddleCustomDevice plugin;
+- `tests/test_platform.py`: the same facts, as the platform checks expect them;
 - `fd_backend_$name/ops.py` and `plugin.py`: the chip's kernels, one op at a time, each
   registered with a `supports()` predicate; the other ops run Paddle's standard kernels;
 - this README: what ran on real hardware and what did not.

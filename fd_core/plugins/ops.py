@@ -19,6 +19,16 @@ def _always(**_: Any) -> bool:
     return True
 
 
+def op_context(dtype: str, head_dim: int | None = None, quantization: str | None = None) -> dict[str, Any]:
+    """What every implementation's ``supports()`` is asked when an engine selects its op table
+    (and ``fd doctor`` and the conformance kit, so they show the engine's choice): the model's
+    dtype, head size (none: any) and weight quantization."""
+    context: dict[str, Any] = {"dtype": dtype, "quantization": quantization}
+    if head_dim is not None:
+        context["head_dim"] = head_dim
+    return context
+
+
 @dataclass(frozen=True)
 class OpImpl:
     op: str

@@ -23,6 +23,7 @@ from fd_core.interfaces import (
     QuantizedWeight,
     SampleOutput,
 )
+from fd_core.plugins.ops import op_context
 from fd_core.testing import spec
 from fd_core.testing.batches import make_sampling_batch
 
@@ -46,7 +47,7 @@ class OpCase:
 
     def context(self) -> dict[str, Any]:
         """What the engine passes to ``supports()`` for a model like this case."""
-        return {"dtype": self.dtype, "head_dim": self.head_dim or 64, "quantization": self.quantization}
+        return op_context(self.dtype, self.head_dim or 64, self.quantization)
 
 
 def _describe(case: OpCase, impl: str) -> str:

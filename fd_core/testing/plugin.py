@@ -46,6 +46,14 @@ class BackendUnderTest:
         assert self.platform is not None
         return self.platform.capabilities()
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the kit runs an engine, a KV cache or collectives in: float32 where
+        declared, else the first dtype that is both a compute and a KV-cache dtype."""
+        caps = self.capabilities
+        usable = caps.dtypes & caps.kv_cache_dtypes
+        return "float32" if "float32" in usable else min(usable or caps.dtypes)
+
     def require(self) -> None:
         """Skip the calling test unless the device can run: what needs the device says why not."""
         if not self.available:

@@ -1,102 +1,34 @@
-"""The dcu platform without the chip: detection through a faked Paddle, the visible-devices
-variable, the capabilities it declares, the sentence when unavailable, and its emulation mode
-(registration, fake probe, op table on the CPU place)."""
+"""The dcu platform without the chip (fd_core.testing.paddle_device's checks): detection through
+a faked ROCm (DTK) Paddle, the sentences when unavailable (the CUDA build named), the manifest,
+the emulated op table."""
 
 from __future__ import annotations
 
 import paddle
-import pytest
-from fd_core.interfaces import Platform
-from fd_core.plugins import OpRegistry
-from fd_core.runtimes.paddle import REFERENCE_OPS
-from fd_core.runtimes.paddle.device import EMULATE_ENV
+from fd_core.testing.paddle_device import PaddleDeviceChecks
 
 from fd_backend_dcu import plugin
 from fd_backend_dcu.platform import DcuPlatform
 
-VISIBLE = "HIP_VISIBLE_DEVICES"
 
+class TestDcuPlatform(PaddleDeviceChecks):
+    platform_class = DcuPlatform
+    plugin = plugin
+    paddle_device = "gpu"
+    visible_devices_env = "HIP_VISIBLE_DEVICES"
+    collectives = ("nccl", "rccl")
+    not_built = "is not built with ROCm (Hygon DCU) support; install the ROCm (DTK) build of paddlepaddle"
+    dtypes = frozenset({"float32", "float16", "bfloat16"})
+    memory_query = True
+    pinned_host_memory = True
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    monkeypatch.delenv(EMULATE_ENV, raising=False)
-    monkeypatch.delenv(VISIBLE, raising=False)
+    def fake_paddle(self, monkeypatch, built: bool, count: int, cuda: bool | None = None) -> None:
+        """The ROCm build also says it is compiled with CUDA; ``cuda`` fakes the CUDA build."""
+        monkeypatch.setattr(paddle, "is_compiled_with_rocm", lambda: built)
+        monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: built if cuda is None else cuda)
+        monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: count)
 
-
-def fake_paddle(monkeypatch, built: bool, count: int, cuda: bool | None = None) -> None:
-    """What Paddle's ROCm (DTK) build answers (built: it also says it is compiled with CUDA),
-    the CPU build, or (``cuda``) the CUDA build."""
-    monkeypatch.setattr(paddle, "is_compiled_with_rocm", lambda: built)
-    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: built if cuda is None else cuda)
-    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: count)
-
-
-def test_names():
-    p = DcuPlatform()
-    assert isinstance(p, Platform)
-    assert (p.name, p.device_type, p.runtime, p.paddle_device) == ("dcu", "dcu", "paddle", "gpu")
-    assert (p.visible_devices_env, p.collective_backend, p.collective_library) == (VISIBLE, "nccl", "rccl")
-
-
-def test_detected_through_paddle(monkeypatch):
-    fake_paddle(monkeypatch, built=True, count=8)
-    p = DcuPlatform()
-    assert p.is_available() == (True, "")
-    assert p.device_count() == p.capabilities().device_count == 8
-    assert p.describe_devices()[0] == "gpu:0"
-
-
-def test_not_built_for_the_chip(monkeypatch):
-    fake_paddle(monkeypatch, built=False, count=0)
-    ok, why = DcuPlatform().is_available()
-    assert not ok and why == f"paddle {paddle.__version__} " + (
-        "is not built with ROCm (Hygon DCU) support; install the ROCm (DTK) build of paddlepaddle")
-
-
-def test_built_but_no_device(monkeypatch):
-    fake_paddle(monkeypatch, built=True, count=0)
-    ok, why = DcuPlatform().is_available()
-    assert not ok and "sees no device" in why and VISIBLE in why
-
-
-def test_the_cuda_build_is_named(monkeypatch):
-    fake_paddle(monkeypatch, built=False, count=2, cuda=True)
-    ok, why = DcuPlatform().is_available()
-    assert not ok and "is the CUDA build, not the ROCm one" in why and "ROCm (DTK) build" in why
-
-
-def test_this_machine_without_the_chip():
-    if paddle.is_compiled_with_rocm():
-        pytest.skip("this Paddle is built for the chip")
-    ok, why = DcuPlatform().is_available()
-    assert not ok and why.startswith(f"paddle {paddle.__version__} ")
-
-
-def test_capabilities_on_the_chip(monkeypatch):
-    fake_paddle(monkeypatch, built=True, count=2)
-    caps = DcuPlatform().capabilities()
-    assert caps.dtypes == caps.kv_cache_dtypes == frozenset({"float32", "float16", "bfloat16"})
-    assert caps.quantization == frozenset()  # fd quantizes no weights at load yet
-    assert not caps.graph_capture and not caps.memory_profiling and not caps.speculative_methods
-    assert caps.prefix_caching and caps.chunked_prefill and caps.kv_swap
-    assert caps.memory_query is True and caps.pinned_host_memory is True
-    assert caps.collective_library == "rccl"
-
-
-def _registry() -> OpRegistry:
-    registry = OpRegistry()
-    plugin.fd_register_ops(registry)
-    registry.register_reference("paddle", REFERENCE_OPS)
-    return registry
-
-
-def test_emulated_op_table(monkeypatch):
-    """On the CPU place the fused RMSNorm and SwiGLU kernels run; the fused rope is a chip-only
-    kernel, so the reference serves rotary; the rest are Paddle's standard kernels, adopted."""
-    monkeypatch.setenv(EMULATE_ENV, "dcu")
-    table = _registry().select("dcu", "paddle", {"dtype": "float32", "head_dim": 64, "quantization": None})
-    chosen = {op: c.impl.name for op, c in table.choices.items()}
-    assert chosen["rms_norm"] == "fused_rms_norm" and chosen["silu_and_mul"] == "swiglu"
-    assert chosen["rotary"] == chosen["attention"] == chosen["linear"] == "reference"
-    assert not table.missing()
-    assert all("fallback" not in c.reason for c in table.choices.values())
+    def test_the_cuda_build_is_named(self, monkeypatch):
+        self.fake_paddle(monkeypatch, built=False, count=2, cuda=True)
+        ok, why = DcuPlatform().is_available()
+        assert not ok and "is the CUDA build, not the ROCm one" in why and "ROCm (DTK) build" in why

@@ -10,6 +10,7 @@ import os
 
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
+from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
 FD_API_VERSION = "1.2"
 
@@ -46,23 +47,9 @@ class CpuPlatform:
         return os.cpu_count() or 1
 
     def capabilities(self) -> Capabilities:
-        # PyTorch's reference ops keep a half dtype's tensors and KV cache in it (and compute
-        # norms, softmax and sampling in float32), so torch offers bfloat16; Paddle's CPU path
-        # is float32 only.
-        dtypes = frozenset({"float32", "bfloat16"} if self.runtime == "torch" else {"float32"})
-        return Capabilities(
-            dtypes=dtypes,
-            quantization=frozenset(),
-            kv_cache_dtypes=dtypes,
-            graph_capture=False,
-            prefix_caching=True,
-            chunked_prefill=True,
-            kv_swap=True,
-            collective_library="gloo",
-            pinned_host_memory=False,
-            device_count=self.device_count(),
-            memory_query=True,
-        )
+        return reference_capabilities(HOST_DTYPES[self.runtime], collective_library="gloo",
+                                      pinned_host_memory=False, device_count=self.device_count(),
+                                      memory_query=True)
 
     def memory(self, device_index: int = 0):
         if self.runtime == "torch":

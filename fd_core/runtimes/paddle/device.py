@@ -26,22 +26,12 @@ from typing import Any, Iterable
 
 from fd_core.interfaces import Capabilities
 from fd_core.plugins.registry import EMULATE_ENV, emulated
+from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
-__all__ = ["EMULATE_ENV", "PaddleDevicePlatform", "custom_device_count", "emulated"]
+__all__ = ["EMULATE_ENV", "PaddleCustomDevicePlatform", "PaddleDevicePlatform", "emulated"]
 
-# What an emulated platform runs on, and what Paddle's CPU place computes in.
+# What an emulated platform runs on.
 EMULATED_PLACE = "cpu"
-_CPU_DTYPES = frozenset({"float32"})
-
-
-def custom_device_count(device_type: str) -> int:
-    """Devices of a Paddle custom device type (a PaddleCustomDevice plugin such as
-    ``iluvatar_gpu`` or ``gcu``) that Paddle sees; 0 when the plugin is not loaded."""
-    import paddle
-
-    if not paddle.is_compiled_with_custom_device(device_type):
-        return 0
-    return int(paddle.base.core.get_custom_device_count(device_type))
 
 
 class PaddleDevicePlatform:
@@ -76,24 +66,12 @@ class PaddleDevicePlatform:
 
     def manifest(self, dtypes: Iterable[str], *, memory_query: bool = False,
                  pinned_host_memory: bool = False) -> Capabilities:
-        """The manifest every Paddle device shares, for the chip's ``dtypes``: Paddle's reference
-        ops cover prefix caching, chunked prefill and KV swap; fd has no weight-only
-        quantization at load and no Paddle graph capture yet; ``PaddleMemory`` does not profile
-        device memory."""
-        dtypes = frozenset(dtypes)
-        return Capabilities(
-            dtypes=dtypes,
-            quantization=frozenset(),
-            kv_cache_dtypes=dtypes,
-            graph_capture=False,
-            prefix_caching=True,
-            chunked_prefill=True,
-            kv_swap=True,
-            collective_library=self.collective_library,
-            pinned_host_memory=pinned_host_memory,
-            memory_query=memory_query,
-            memory_profiling=False,
-        )
+        """The manifest every Paddle device shares, for the chip's ``dtypes``: Paddle's
+        reference ops' (``fd_core.runtimes.reference_capabilities``), with the chip's collective
+        library; ``PaddleMemory`` does not profile device memory."""
+        return reference_capabilities(dtypes, collective_library=self.collective_library,
+                                      pinned_host_memory=pinned_host_memory, memory_query=memory_query,
+                                      memory_profiling=False)
 
     def not_built(self, paddle: Any, what: str) -> tuple[int, str]:
         return 0, f"paddle {paddle.__version__} is not built with {what}; install {self.requirement}"
@@ -153,11 +131,11 @@ class PaddleDevicePlatform:
         if not self.emulated:
             return replace(chip, device_count=count)
         # the chip's manifest, narrowed to what Paddle's CPU place runs
-        dtypes = chip.dtypes & _CPU_DTYPES
+        cpu = HOST_DTYPES["paddle"]
         return replace(
             chip,
-            dtypes=dtypes,
-            kv_cache_dtypes=chip.kv_cache_dtypes & _CPU_DTYPES,
+            dtypes=chip.dtypes & cpu,
+            kv_cache_dtypes=chip.kv_cache_dtypes & cpu,
             collective_library="gloo",
             pinned_host_memory=False,
             graph_capture=False,
@@ -216,3 +194,29 @@ class PaddleDevicePlatform:
         if self.emulated:
             return [f"{self.name} {i} (emulated on the CPU: {EMULATE_ENV})" for i in range(count)]
         return [self.place(i) for i in range(count)]
+
+    def register_ops(self, registry: Any) -> None:
+        """The op table of a chip whose Paddle build ships the usual fused kernels: their
+        adapters where they run on the device (emulated: the CPU place, where the chip-only ones
+        are missing and decline to the reference), and Paddle's standard kernels for every other
+        op, adopted as this backend's own rather than a fallback. For ``fd_register_ops``."""
+        from fd_core.runtimes.paddle.fused import register_fused
+
+        register_fused(registry, self.device_type, self.kernel_place)
+        registry.use_reference(self.device_type, "paddle")
+
+
+class PaddleCustomDevicePlatform(PaddleDevicePlatform):
+    """A chip Paddle reaches through a PaddleCustomDevice plugin (``iluvatar_gpu``, ``gcu``...):
+    detected by the plugin's device type, collectives on the custom-device XCCL."""
+
+    collective_backend = "xccl"
+    collective_library = "xccl"
+
+    def probe(self) -> tuple[int, str]:
+        import paddle
+
+        if not paddle.is_compiled_with_custom_device(self.paddle_device):
+            return self.not_built(paddle, f"the {self.paddle_device} custom device")
+        count = int(paddle.base.core.get_custom_device_count(self.paddle_device))
+        return (count, "") if count else self.no_device(paddle)

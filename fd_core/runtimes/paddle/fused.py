@@ -12,15 +12,12 @@ Each adapter has its op's exact signature (``fd_core.interfaces.ops``; the NumPy
   rotates ``x[..., :R]`` and passes the rest through here.
 
 Whether a kernel exists for a place depends on the Paddle build (CPU Paddle 3.3.1 has
-``fused_rms_norm`` and ``swiglu`` but no ``fused_rotary_position_embedding``,
-``fused_bias_act`` or ``weight_only_linear``). :func:`available` finds out once per
+``fused_rms_norm`` and ``swiglu`` but no ``fused_rotary_position_embedding``).
+:func:`available` finds out once per
 (op, place, dtype) by running the kernel on a tiny input and comparing it with Paddle's
 reference (a kernel that runs but computes something else counts as unavailable);
 :func:`register_fused` registers the adapters with a ``supports`` predicate that declines where
 the kernel is unavailable, so the reference runs instead.
-
-``weight_only_linear`` is probed (``available("weight_only_linear", place, "float16")``) for
-reports only: fd quantizes no weights at load yet, so no ``linear`` adapter is registered.
 """
 
 from __future__ import annotations
@@ -34,25 +31,21 @@ import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
 from fd_core.runtimes.paddle import ops as reference
-from fd_core.runtimes.paddle.ops import take_rows
+from fd_core.runtimes.paddle.ops import _to, _upload, take_rows
 
 log = logging.getLogger("fd.paddle.fused")
 
 Tensor = paddle.Tensor
 
-# op -> the Paddle kernel its adapter calls (also the implementation's registered name)
+# op -> the Paddle kernel its adapter calls
 KERNELS: dict[str, str] = {
     "rms_norm": "fused_rms_norm",
     "silu_and_mul": "swiglu",
     "rotary": "fused_rotary_position_embedding",
-    "weight_only_linear": "weight_only_linear",
 }
-FUSED_OPS = ("rms_norm", "silu_and_mul", "rotary")
+FUSED_OPS = tuple(KERNELS)
+# the names the adapters are registered under (what fd doctor shows)
 _NAMES = {"rms_norm": "fused_rms_norm", "silu_and_mul": "swiglu", "rotary": "fused_rope"}
-
-
-def _as(x: Tensor, dtype: Any) -> Tensor:
-    return x if x.dtype == dtype else x.astype(dtype)
 
 
 # --- adapters ----------------------------------------------------------------------------------
@@ -64,8 +57,8 @@ def rms_norm(
     # The kernel normalises over the axes from begin_norm_axis on (the last one here), with its
     # float32 accumulation; with ``residual`` it first forms x + residual and returns it too.
     out = IF.fused_rms_norm(
-        x, _as(weight, x.dtype), None, eps, begin_norm_axis=x.ndim - 1,
-        residual=None if residual is None else _as(residual, x.dtype),
+        x, _to(weight, x.dtype), None, eps, begin_norm_axis=x.ndim - 1,
+        residual=None if residual is None else _to(residual, x.dtype),
     )
     if residual is None:
         return out[0]
@@ -102,7 +95,7 @@ def rotary(
         cos, sin = (paddle.stack([c, c], axis=-1).reshape([n, rot]) for c in (cos, sin))
     else:
         cos, sin = (paddle.concat([c, c], axis=-1) for c in (cos, sin))
-    cos, sin = (_as(c, q.dtype).reshape([1, n, 1, rot]) for c in (cos, sin))
+    cos, sin = (_to(c, q.dtype).reshape([1, n, 1, rot]) for c in (cos, sin))
     partial = rot != dim
 
     def head(x: Tensor) -> Tensor:
@@ -124,13 +117,11 @@ ADAPTERS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "silu_and_mul":
 
 
 def _tensor(array: np.ndarray, place: str, dtype: str) -> Tensor:
-    t = paddle.to_tensor(np.ascontiguousarray(array), place=paddle.device.device_to_place(place))
-    return _as(t, getattr(paddle, dtype))
+    return _to(_upload(array, paddle.device.device_to_place(place)), getattr(paddle, dtype))
 
 
-def _probe_case(op: str, place: str, dtype: str) -> tuple[Callable[[], Any], Callable[[], Any] | None]:
-    """``(fused, reference)`` thunks on a tiny input on ``place`` in ``dtype``; no reference
-    where only whether the kernel runs is asked (``weight_only_linear``)."""
+def _probe_case(op: str, place: str, dtype: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(fused, reference)`` thunks on a tiny input on ``place`` in ``dtype``."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 16)).astype(np.float32)
 
@@ -156,25 +147,19 @@ def _probe_case(op: str, place: str, dtype: str) -> tuple[Callable[[], Any], Cal
             return run
 
         return both_styles(rotary), both_styles(reference.rotary)
-    if op == "weight_only_linear":
-        from paddle.nn.quant import weight_only_linear
-
-        wq = rng.integers(-8, 8, (16, 16)).astype(np.int8)
-        return (lambda: weight_only_linear(t(x), t(wq, "int8"), weight_scale=t(np.ones(16, np.float32)),
-                                           weight_dtype="int8")), None
     raise ValueError(f"no fused kernel probe for {op!r}; known: {sorted(KERNELS)}")
 
 
 def _silu_and_mul_composed(x: Tensor) -> Tensor:
     # not the runtime's reference op, which is swiglu itself
-    h = _as(x, paddle.float32)
+    h = _to(x, paddle.float32)
     half = h.shape[-1] // 2
-    return _as(F.silu(h[:, :half]) * h[:, half:], x.dtype)
+    return _to(F.silu(h[:, :half]) * h[:, half:], x.dtype)
 
 
 def _flat(result: Any) -> list[np.ndarray]:
     items = result if isinstance(result, (tuple, list)) else [result]
-    return [_as(r, paddle.float32).numpy() for r in items]
+    return [_to(r, paddle.float32).numpy() for r in items]
 
 
 _PROBED: dict[tuple[str, str, str], tuple[bool, str]] = {}
@@ -187,11 +172,9 @@ def probe(op: str, place: str, dtype: str = "float32") -> tuple[bool, str]:
     if key not in _PROBED:
         try:
             fused, ref = _probe_case(op, place, dtype)
-            got = _flat(fused())
-            if ref is not None:
-                tol = 1e-4 if dtype in ("float32", "float64") else 5e-2
-                for g, w in zip(got, _flat(ref()), strict=True):
-                    np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+            tol = 1e-4 if dtype in ("float32", "float64") else 5e-2
+            for g, w in zip(_flat(fused()), _flat(ref()), strict=True):
+                np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
             _PROBED[key] = (True, "")
         except Exception as exc:  # noqa: BLE001 - not registered, unsupported dtype, wrong result...
             why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
