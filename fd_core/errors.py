@@ -37,3 +37,25 @@ class BackendError(FdError, RuntimeError):
 
 class EngineDeadError(FdError, RuntimeError):
     """The engine-core process has died or failed; no request can run until the server restarts."""
+
+
+def check_text(field: str, text: str) -> None:
+    """Raise InvalidRequestError naming ``field`` unless ``text`` is valid Unicode. A lone
+    surrogate (JSON's ``"\\ud800"`` decodes to one) can be neither tokenized nor encoded as
+    UTF-8, so it must be refused where text enters, not fail deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode text: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) "
+            f"at character {exc.start}"
+        ) from None
+
+
+def rebuild(error_type: str, message: str, fallback: type[FdError]) -> FdError:
+    """An error another process reported by its type's name: the same fd error type, else
+    ``fallback`` naming the original type."""
+    cls = globals().get(error_type)
+    if isinstance(cls, type) and issubclass(cls, FdError):
+        return cls(message)
+    return fallback(f"{error_type}: {message}")

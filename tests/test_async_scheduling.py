@@ -95,7 +95,10 @@ SETTINGS = {
     "chunked": {"num_kv_blocks": 512, "max_num_batched_tokens": 7},  # decodes mixed with chunks
     "preempt-recompute": {"num_kv_blocks": 4 * 15 + 1},
     "preempt-swap": {"num_kv_blocks": 4 * 15 + 1, "swap_space": 0.01},
-    "few-seqs": {"num_kv_blocks": 512, "max_num_seqs": 3},
+    # the budget of the CPU backend when this was written: at 48 a sequence whose last token is in
+    # flight holds its seat a step longer, which delays the next admission on this workload
+    "few-seqs": {"num_kv_blocks": 512, "max_num_seqs": 3, "max_num_batched_tokens": 256},
+    "capped": {"num_kv_blocks": 512, "max_num_batched_tokens": 16, "long_prefill_token_threshold": 4},
 }
 
 
@@ -131,6 +134,14 @@ def test_forks_and_penalties_read_the_tokens_first(async_cpu, model_dir):
     compare(model_dir, SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True,
                                       presence_penalty=0.5, repetition_penalty=1.3),
             prompts(6), fed=False, num_kv_blocks=512)
+
+
+def test_forks_past_max_num_seqs(async_cpu, model_dir):
+    """Forks seated within max_num_seqs (their first tokens read from the parent's row) and
+    forks detached to compute the prompt themselves, beside capped prefills."""
+    compare(model_dir, SamplingParams(n=5, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True),
+            prompts(6), num_kv_blocks=512, max_num_seqs=3, max_num_batched_tokens=16,
+            long_prefill_token_threshold=5)
 
 
 def test_stop_strings_and_aborts(async_cpu, model_dir):

@@ -27,7 +27,9 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     assert cfg.enable_prefix_caching is False and cfg.swap_space == 4.0
     left = engine_config(build_parser().parse_args(["serve"]))  # the backend decides
     assert left.enable_prefix_caching is None and left.enable_chunked_prefill is None
-    assert left.max_num_batched_tokens is None
+    assert left.max_num_batched_tokens is None and left.long_prefill_token_threshold is None
+    for args, value in [(["--long-prefill-token-threshold", "32"], 32), (["--long_prefill_token_threshold=0"], 0)]:
+        assert engine_config(build_parser().parse_args(["serve", *args])).long_prefill_token_threshold == value
 
 
 @pytest.mark.parametrize("flag, message", [

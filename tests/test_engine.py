@@ -43,6 +43,10 @@ def test_preemption_and_chunking_do_not_change_outputs(model_dir, params):
     assert tight == reference
     chunked, _ = run(model_dir, params, num_kv_blocks=512, max_num_batched_tokens=7)
     assert chunked == reference
+    capped, _ = run(model_dir, params, num_kv_blocks=512, max_num_batched_tokens=24, long_prefill_token_threshold=4)
+    assert capped == reference
+    capped_tight, _ = run(model_dir, params, num_kv_blocks=4 * 15 + 1, long_prefill_token_threshold=8)
+    assert capped_tight == reference
     unchunked, _ = run(model_dir, params, num_kv_blocks=512, max_num_batched_tokens=64,
                        enable_chunked_prefill=False)
     assert unchunked == reference
@@ -156,3 +160,133 @@ def test_kv_budget_without_a_memory_query(model_dir, monkeypatch):
     monkeypatch.setattr(core, "capabilities", replace(core.capabilities, memory_query=False))
     core.config.num_kv_blocks, core.config.kv_cache_memory_gb = None, 0.001
     assert core._num_kv_blocks() == int(0.001 * GiB // core._kv_block_bytes())
+
+
+def test_aborts_between_steps_end_requests_at_once(model_dir):
+    """An abort reaching the core between steps (``fd serve`` drains its messages before each
+    step) ends a running sequence, a waiting one and a sibling not yet forked at once, frees
+    their blocks, and nothing of theirs is scheduled after it; the others' outputs are those
+    of a run without the aborts."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.5, seed=9, max_tokens=8, ignore_eos=True, n=4)
+    long_prompt = prompts(16)[5] + prompts(16)[7] + prompts(16)[9]  # prefills over a few steps
+
+    def engine():
+        llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, max_num_seqs=2,
+                  max_num_batched_tokens=16, long_prefill_token_threshold=8)
+        core = llm.engine.core
+        core.add_request("run", prompts(16)[0][:5], greedy)
+        core.add_request("forky", long_prompt, seeded)  # its parent prefills, its forks wait in it
+        core.add_request("sib", prompts(16)[1], SamplingParams(temperature=0.5, seed=4, max_tokens=8,
+                                                               ignore_eos=True, n=3))
+        core.add_request("wait", prompts(16)[2], greedy)
+        return llm, core
+
+    def finish(core):
+        tokens: dict[tuple[str, int], list[int]] = {}
+        while core.has_unfinished_requests():
+            for o in core.step():
+                tokens.setdefault((o.request_id, o.index), []).append(o.token_id)
+        return tokens
+
+    _, core = engine()
+    reference = finish(core)
+
+    llm, core = engine()
+    core.step()
+    core.step()
+    by_key = {(s.request_id, s.index): s for seqs in core.seqs.values() for s in seqs}
+    run, wait = by_key["run", 0], by_key["wait", 0]
+    forky, forky2, sib1 = by_key["forky", 0], by_key["forky", 2], by_key["sib", 1]
+    assert run in core.scheduler.running and run.output_token_ids  # decoding
+    assert wait in core.scheduler.waiting
+    assert forky in core.scheduler.running and 0 < forky.num_computed < len(long_prompt)
+    assert forky2.fork_of is forky and sib1.fork_of is by_key["sib", 0]  # siblings not yet forked
+    free_before = llm.engine.pool.num_free
+
+    core.abort("run")
+    core.abort("wait")
+    core.abort("forky", 2)
+    core.abort("sib", 1)
+    aborted = [run, wait, forky2, sib1]
+    for seq in aborted:
+        assert seq.finished and seq.finish_reason == "abort" and not seq.block_table
+        assert seq not in core.scheduler.running and seq not in core.scheduler.waiting and seq.fork_of is None
+    assert forky2 not in forky.forks and sib1 not in by_key["sib", 0].forks
+    assert llm.engine.pool.num_free > free_before  # the running one's blocks are back at once
+
+    scheduled: list[set[int]] = []
+    schedule = core.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        scheduled.append({id(s.seq) for s in out.scheduled} | {id(f) for s in out.scheduled for f in s.forks})
+        return out
+
+    core.scheduler.schedule = spy
+    tokens = finish(core)
+    assert not set(map(id, aborted)) & set().union(*scheduled), "an aborted sequence was computed"
+    assert {("run", 0), ("wait", 0), ("forky", 2), ("sib", 1)}.isdisjoint(tokens)
+    for key, seq in by_key.items():
+        if seq not in aborted:  # the others are untouched: their tokens (those before the abort too)
+            assert seq.output_token_ids == reference[key], key
+    assert llm.engine.pool.num_free == llm.engine.pool.capacity
+
+
+def test_a_short_request_behind_a_long_prompt_starts_in_the_next_step(model_dir):
+    """Issue 14: a prefilling prompt took every step's budget until it was done. With the
+    long-prefill threshold a request arriving behind it is admitted, and samples, in the next
+    step; the long prompt still gets the rest of every step."""
+    long_prompt = np.random.default_rng(5).integers(3, 400, size=100).tolist()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def steps_to_first_token(threshold):
+        llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512,
+                  max_num_batched_tokens=16, long_prefill_token_threshold=threshold)
+        engine = llm.engine
+        engine.add_request("long", long_prompt, params)
+        engine.step()
+        engine.add_request("short", [5, 6, 7], params)
+        steps, outs = 0, {}
+        short = engine.core.seqs["short"][0]
+        while engine.has_unfinished_requests():
+            for o in engine.step(final_only=True):
+                outs[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+            if short.output_token_ids and "first" not in outs:
+                outs["first"] = steps
+        return outs, engine.stats["steps"]
+
+    capped, capped_steps = steps_to_first_token(4)
+    assert capped["first"] == 1
+    uncapped, uncapped_steps = steps_to_first_token(0)
+    assert uncapped["first"] == -(-(100 - 16) // 16)  # behind the whole prompt
+    assert capped["long"] == uncapped["long"] and capped["short"] == uncapped["short"]
+    assert capped_steps == uncapped_steps  # the long prompt lost nothing
+    # left unsaid, the CPU backend's threshold applies
+    assert LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64).engine.config.long_prefill_token_threshold == 24
+
+
+@pytest.mark.parametrize("break_it", ["tokens", "forks"])
+def test_the_engine_refuses_a_step_past_its_limits(model_dir, break_it):
+    """The scheduler never builds such a step (tests/test_scheduler_properties.py); if a change
+    made it, the core stops before running it rather than run a step of unbounded length."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=128, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    core = llm.engine.core
+    core.add_request("a", prompts(16)[3], SamplingParams(max_tokens=2, n=8))
+    schedule = core.scheduler.schedule
+
+    def broken():
+        out = schedule()
+        s = out.scheduled[0]
+        if break_it == "tokens":
+            s.num_new += 16
+        else:
+            s.forks = list(s.seq.forks)  # every fork a row, past max_num_seqs
+        return out
+
+    core.scheduler.schedule = broken
+    with pytest.raises(RuntimeError, match="the scheduler exceeded its limits"):
+        while core.has_unfinished_requests():
+            core.step()

@@ -67,10 +67,56 @@ def test_bad_token_ids(small_llm):
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
     ({"temperature": -1}, "temperature"),
+    # every integer has a bound (the engine packs them into int64 arrays; msgpack takes 64 bits)
+    ({"top_k": 2**63}, r"top_k must be an integer in \[-1, 2147483647\]"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"n": 129}, "n must be an integer in"),
+    ({"min_tokens": 2**31}, "min_tokens"),
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(1025))}, "at most 1024"),
+    ({"stop": ["x"] * 65}, "at most 64 strings"),
+    ({"stop": "x" * 1025}, "at most 1024 characters"),
+    ({"stop": "a\ud800"}, "stop is not valid Unicode text: it holds a lone surrogate"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_at_their_bounds():
+    p = SamplingParams(top_k=2**31 - 1, seed=2**63 - 1, n=128, max_tokens=2**31 - 1, min_tokens=2**31 - 1,
+                       stop=["x" * 1024] * 64, stop_token_ids=list(range(1024)), logprobs=20)
+    assert p.top_k == 2**31 - 1 and p.seed == 2**63 - 1
+
+
+@smollm2
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(small_llm, monkeypatch):
+    tokenizer = small_llm.engine.tokenizer
+    encoded: list[int] = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    with pytest.raises(PromptTooLongError, match="characters"):
+        small_llm.generate("lorem ipsum " * 1_000_000, use_tqdm=False)  # 12 MB: seconds to tokenize
+    with pytest.raises(PromptTooLongError, match="max_model_len=64"):
+        small_llm.chat([{"role": "user", "content": "lorem ipsum " * 1_000_000}], use_tqdm=False)
+    assert encoded == []
+    assert not small_llm.engine.has_unfinished_requests()
+    # a prompt the bound cannot rule out is tokenized, and refused by its token count
+    with pytest.raises(PromptTooLongError, match="the prompt has"):
+        small_llm.generate("word " * 200, use_tqdm=False)
+    assert encoded == [1000]
+
+
+@smollm2
+def test_a_lone_surrogate_in_a_prompt(small_llm):
+    with pytest.raises(InvalidRequestError, match="prompt is not valid Unicode text"):
+        small_llm.generate("hi \ud800", use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="messages is not valid Unicode text"):
+        small_llm.chat([{"role": "user", "content": "hi \udfff"}], use_tqdm=False)
 
 
 @smollm2

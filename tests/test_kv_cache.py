@@ -60,6 +60,9 @@ def test_outputs_identical_across_cache_chunking_and_preemption(model_dir, param
 
     chunked, _, _ = run(model_dir, params, num_kv_blocks=1024, max_num_batched_tokens=7)
     assert chunked == reference
+    capped, _, _ = run(model_dir, params, num_kv_blocks=1024, max_num_batched_tokens=24,
+                       long_prefill_token_threshold=5)
+    assert capped == reference
 
     for prefix_caching in (True, False):
         recompute, engine, _ = run(model_dir, params, num_kv_blocks=TIGHT, enable_prefix_caching=prefix_caching)
@@ -87,7 +90,9 @@ def test_swap_space_too_small_falls_back_to_recompute(model_dir):
 ], ids=["greedy", "seeded"])
 def test_n_outputs_fork_from_one_prefill(model_dir, params):
     prompts = shared_prefix_prompts(8)
-    roomy, engine, _ = run(model_dir, params, prompts, num_kv_blocks=1024, enable_prefix_caching=False)
+    # a budget with room for every fork's row in the step that completes its parent's prompt
+    roomy, engine, _ = run(model_dir, params, prompts, num_kv_blocks=1024, enable_prefix_caching=False,
+                           max_num_batched_tokens=256)
     # the n outputs of a request computed its prompt once: n - 1 of them forked
     assert engine.stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)
     tight, _, _ = run(model_dir, params, prompts, num_kv_blocks=TIGHT)
@@ -108,6 +113,48 @@ def test_n_outputs_fork_from_one_prefill(model_dir, params):
                                                         seed=(params.seed + i * _SEED_MIX) % 2**63),
                               prompts, num_kv_blocks=1024)
             assert [outs[i] for outs in roomy] == [outs[0] for outs in alone]
+
+
+def watch_steps(llm) -> list[tuple[int, int, int]]:
+    """(tokens computed, rows sampled, rows of forks) of every step the engine runs from now on."""
+    executor, steps = llm.engine.core.executor, []
+    execute = executor.execute
+
+    def spy(scheduled):
+        samplers = sum(s.samples for s in scheduled)
+        result = execute(scheduled)
+        steps.append((sum(s.num_new for s in scheduled), len(result.sampled), len(result.sampled) - samplers))
+        return result
+
+    executor.execute = spy
+    return steps
+
+
+@pytest.mark.parametrize("n, max_tokens, engine_args", [
+    (32, 1, {"max_num_seqs": 8, "max_num_batched_tokens": 64}),  # issue 14's 64 prompts x 128, scaled down
+    (5, 6, {"max_num_seqs": 3, "max_num_batched_tokens": 16, "long_prefill_token_threshold": 5}),
+    (5, 6, {"max_num_seqs": 6, "num_kv_blocks": TIGHT}),  # forks without a free block for their copy
+], ids=["n32-max1", "n5-threshold", "n5-tight"])
+def test_forks_past_max_num_seqs_keep_their_outputs(model_dir, n, max_tokens, engine_args):
+    """Many prompts x n: no step samples more rows than max_num_seqs or computes more than its
+    budget (a row per fork counted), and every output is the one a roomy engine gives (where
+    every fork is seated in the step that completes its prompt)."""
+    params = SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_tokens=max_tokens, ignore_eos=True, n=n)
+    prompts = shared_prefix_prompts(16)
+    roomy, engine, _ = run(model_dir, params, prompts, num_kv_blocks=1024, max_num_seqs=16 * n,
+                           max_num_batched_tokens=1024)
+    assert engine.stats["prompt_tokens_computed"] == sum(len(p) for p in prompts)  # every fork seated
+    llm = LLM(model=str(model_dir), max_model_len=MAX_LEN, block_size=BLOCK,
+              **{"num_kv_blocks": 1024, **engine_args})
+    steps = watch_steps(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == roomy
+    limit, budget = llm.engine.config.max_num_seqs, llm.engine.config.max_num_batched_tokens
+    assert max(rows for _, rows, _ in steps) <= limit
+    assert max(tokens + forks for tokens, _, forks in steps) <= budget
+    assert 0 < sum(forks for _, _, forks in steps) < 16 * (n - 1)  # some seated, some computed alone
+    assert llm.engine.pool.num_free == llm.engine.pool.capacity
+    assert not llm.engine.scheduler.has_work()
 
 
 def test_second_request_reuses_the_first_ones_prefix(model_dir):

@@ -129,6 +129,26 @@ def test_registering_an_unknown_op_is_refused():
         OpRegistry().register("conv2d", "cpu", lambda x: x, name="x")
 
 
+def test_a_declining_predicate_may_say_why():
+    def float32_only(dtype=None, **_):
+        return dtype == "float32"
+
+    def broken_why(**_):
+        raise RuntimeError("no reason today")
+
+    float32_only.why = lambda dtype=None, **_: f"the kernel has no {dtype} variant"
+    reg = OpRegistry()
+    reg.register("rms_norm", "chip", lambda *a: None, name="told", priority=2, supports=float32_only)
+    silent = lambda dtype=None, **_: dtype == "float32"  # noqa: E731
+    silent.why = broken_why
+    reg.register("rms_norm", "chip", lambda *a: None, name="silent", priority=1, supports=silent)
+    reg.register_reference("paddle", {"rms_norm": lambda *a: None})
+    reason = reg.select("chip", "paddle", {"dtype": "bfloat16"}).choices["rms_norm"].reason
+    assert ("declined (told: supports() declined this configuration: the kernel has no bfloat16 variant; "
+            "silent: supports() declined this configuration)") in reason  # a failing why() adds nothing
+    assert reg.select("chip", "paddle", {"dtype": "float32"}).choices["rms_norm"].impl.name == "told"
+
+
 def test_fd_backends_cli_reports_everything(site):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     env.pop("FD_BACKENDS", None)

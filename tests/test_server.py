@@ -767,3 +767,132 @@ def test_unhealthy_engine_is_noticed_without_traffic():
         fake.healthy = False  # a dead process, nothing in flight
         wait_for(app.state.monitor.dead.is_set, timeout=2)
         assert httpx.get(url + "/health").status_code == 503
+
+
+# -- limits, timeouts, health (issue 14) -------------------------------------------------------
+
+
+def test_request_timeout_aborts_and_answers_504():
+    from fd_server.limits import ServerLimits
+
+    fake = FakeEngineClient(max_model_len=10_000, delay=0.01)
+    with live_server(fake, limits=ServerLimits(request_timeout=0.5)) as (url, app), \
+            httpx.Client(base_url=url, timeout=10) as http:
+        started = time.monotonic()
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
+        assert 0.5 <= time.monotonic() - started < 5
+        error = assert_error(r, 504, code="request_timeout")
+        assert "0.5 s" in error["message"] and "--request-timeout" in error["message"]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as s:
+            data = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert json.loads(data[-1][len("data: "):])["error"]["code"] == "request_timeout"
+        wait_for(lambda: len(fake.aborted) == 2 and not fake.active)
+        assert app.state.monitor.in_flight == 0
+        # a request that finishes in time is untouched
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_a_silent_engine_is_stalled_not_dead():
+    from fd_server.limits import ServerLimits
+
+    fake = FakeEngineClient()
+    age = [0.0]
+    fake.report_age = lambda: age[0]  # type: ignore[attr-defined]
+    with serve(fake, limits=ServerLimits(heartbeat_timeout=2.0)) as http:
+        assert http.get("/health").status_code == 200
+        age[0] = 3.5
+        error = assert_error(http.get("/health"), 503, code="engine_unavailable")
+        assert "not reported for 4 s" in error["message"] or "not reported for 3 s" in error["message"]
+        assert_error(complete(http), 503, code="engine_unavailable")
+        assert "fd_engine_report_age_seconds" not in http.get("/metrics").text  # the fake does not report it
+        assert not http.app.state.monitor.dead.is_set()  # a stall is not a death: the server stays up
+        age[0] = 0.1
+        assert http.get("/health").status_code == 200 and complete(http).status_code == 200
+    with serve(fake, limits=ServerLimits(heartbeat_timeout=None)) as http:
+        age[0] = 1e6
+        assert http.get("/health").status_code == 200  # liveness only
+
+
+def test_chunked_body_over_the_limit_is_413_before_it_is_read():
+    from fd_server.limits import ServerLimits
+
+    fake = FakeEngineClient()
+    with live_server(fake, limits=ServerLimits(max_body_bytes=4096)) as (url, app):
+        sent = []
+
+        def body():
+            for _ in range(10_000):  # 10 MB if it were all read
+                sent.append(1)
+                yield b"x" * 1024
+
+        try:
+            r = httpx.post(url + "/v1/completions", content=body(), headers={"content-type": "application/json"},
+                           timeout=10)
+            assert_error(r, 413, code="request_too_large")
+        except httpx.TransportError:
+            pass  # the server answered and closed while the client still wrote; it read no more either
+        assert len(sent) < 10_000
+        small = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        r = httpx.post(url + "/v1/completions", content=iter([small[:10], small[10:]]),
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 200, r.text  # a chunked body within the limit is read whole
+
+
+def test_prompts_times_n_over_the_limit_is_400(http):
+    from fd_server.limits import ServerLimits
+
+    with serve(limits=ServerLimits(max_sequences_per_request=8)) as http:
+        error = assert_error(complete(http, prompt=["a", "b", "c"], n=3), 400, param="prompt")
+        assert "9 sequences" in error["message"] and "--max-sequences-per-request" in error["message"]
+        assert_error(chat(http, n=9), 400, param="n")
+        assert not http.fake.requests
+        assert complete(http, prompt=["a", "b"], n=4, max_tokens=1).status_code == 200
+    with serve(limits=ServerLimits(max_sequences_per_request=None)) as http:
+        assert complete(http, prompt=["a"] * 20, n=3, max_tokens=1).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**31), ("seed", 2**63), ("n", 129), ("min_tokens", 2**31),
+                                          ("max_tokens", 2**31), ("stop_token_ids", [2**31]),
+                                          ("stop", ["x"] * 65), ("stop", "x" * 1025), ("prompt", [2**31])])
+def test_bounds_are_400_naming_the_field(http, field, value):
+    assert assert_error(complete(http, **{field: value}), 400)["param"].split(".")[0] == field
+    assert not http.fake.requests
+
+
+def test_content_none_is_only_for_assistant_messages(http):
+    assert_error(chat(http, messages=[{"role": "user"}]), 400, param="messages.0.content")
+    ok = chat(http, messages=[{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+                              {"role": "user", "content": "and?"}])
+    assert ok.status_code == 200, ok.text
+
+
+def test_tokenization_runs_off_the_event_loop():
+    """While a prompt is being tokenized, /health and other requests are answered."""
+    fake = FakeEngineClient()
+    started, release = threading.Event(), threading.Event()
+    encode = fake.tokenizer.encode
+
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if text == "slow":
+            started.set()
+            assert release.wait(10)
+        return encode(text, add_special_tokens)
+
+    fake.tokenizer.encode = slow_encode  # type: ignore[method-assign]
+    with live_server(fake) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
+        result: dict[str, httpx.Response] = {}
+        worker = threading.Thread(target=lambda: result.update(
+            slow=http.post("/v1/completions", json={"model": MODEL, "prompt": "slow", "max_tokens": 2})))
+        worker.start()
+        assert started.wait(10)
+        try:
+            assert http.get("/health").status_code == 200  # the event loop is free meanwhile
+            assert http.post("/v1/completions", json={"model": MODEL, "prompt": "fast", "max_tokens": 2}).status_code == 200
+            assert "slow" not in result
+        finally:
+            release.set()
+        worker.join(10)
+        assert result["slow"].status_code == 200

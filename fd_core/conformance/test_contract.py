@@ -60,6 +60,10 @@ def test_platform_answers(fd_backend):
     assert isinstance(count, int) and count >= (1 if ok else 0), f"device_count() = {count!r}"
     default = getattr(p, "default_max_num_batched_tokens", None)
     assert default is None or (isinstance(default, int) and default > 0), default
+    # optional (API 1.4); None or 0: no cap
+    threshold = getattr(p, "default_long_prefill_token_threshold", None)
+    assert threshold is None or (isinstance(threshold, int) and not isinstance(threshold, bool) and threshold >= 0), (
+        f"default_long_prefill_token_threshold must be None or an integer >= 0, got {threshold!r}")
 
 
 def test_capabilities_are_an_honest_manifest(fd_backend):

@@ -114,11 +114,12 @@ class BlockPool:
             hits.append(block)
         return hits
 
-    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
-        """Whether ``seq`` (holding no blocks) can take ``hits`` and grow to ``num_tokens``."""
+    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        """Whether ``seq`` (holding no blocks) can take ``hits`` and grow to ``num_tokens``,
+        leaving ``reserve`` blocks free."""
         taken_from_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         fresh = max(0, -(-num_tokens // self.block_size) - len(hits))
-        return fresh + taken_from_free <= self.num_free
+        return fresh + taken_from_free <= self.num_free - reserve
 
     def admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         """Give ``seq`` the cached blocks ``hits`` (its first ``len(hits)`` blocks, already

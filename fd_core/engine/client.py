@@ -47,21 +47,13 @@ from fd_core.engine.core_process import (
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
-from fd_core.errors import BackendError, EngineDeadError, FdError, InvalidRequestError
+from fd_core.errors import BackendError, EngineDeadError, InvalidRequestError
 from fd_core.loader.tokenizer_api import Tokenizer
 
 log = logging.getLogger("fd.engine")
 
 _WATCH_S = 0.1  # how often the process is checked for life
 _SHUTDOWN_GRACE_S = 5.0  # a core that has not exited this long after Shutdown is terminated
-
-
-def _rebuild_error(error_type: str, message: str, fallback: type[FdError]) -> FdError:
-    """The core's error as the same fd error type, else ``fallback`` naming the original type."""
-    cls = getattr(errors, error_type, None)
-    if isinstance(cls, type) and issubclass(cls, FdError):
-        return cls(message)
-    return fallback(f"{error_type}: {message}")
 
 
 @dataclass
@@ -106,6 +98,7 @@ class AsyncEngineClient:
         self._by_wire_id: dict[str, _Stream] = {}
         self._wire_ids = itertools.count()
         self._stats = Stats()
+        self._last_report = time.monotonic()  # when the core last sent anything (steps, heartbeats)
         self._dead_reason: str | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -148,6 +141,7 @@ class AsyncEngineClient:
         self.max_num_batched_tokens = ready.max_num_batched_tokens
         self.chunked_prefill = ready.chunked_prefill
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
+        self._last_report = time.monotonic()
         self._processor = OutputProcessor(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_loop(), name="fd-engine-reader"),
                        asyncio.create_task(self._watch_loop(), name="fd-engine-watch")]
@@ -170,7 +164,7 @@ class AsyncEngineClient:
                     return msg
                 if isinstance(msg, Failed):
                     self._core_failed = True
-                    raise _rebuild_error(msg.error_type, msg.message, BackendError)
+                    raise errors.rebuild(msg.error_type, msg.message, BackendError)
                 continue  # nothing else comes before Ready
             now = time.monotonic()
             if not self._proc.is_alive():
@@ -197,9 +191,14 @@ class AsyncEngineClient:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
         check_params(params, self.vocab_size)
 
+    def report_age(self) -> float:
+        """Seconds since the core last reported: it does after every step and, when idle, every
+        ``core_process.HEARTBEAT_S``, so a long silence means it is frozen or stuck."""
+        return time.monotonic() - self._last_report
+
     def metrics(self) -> dict:
-        """The core's latest stats (at most a heartbeat old)."""
-        return msgspec.structs.asdict(self._stats)
+        """The core's latest stats, and how old they are (``report_age_seconds``)."""
+        return {**msgspec.structs.asdict(self._stats), "report_age_seconds": self.report_age()}
 
     # -- requests --------------------------------------------------------------------------
 
@@ -270,6 +269,7 @@ class AsyncEngineClient:
     async def _read_loop(self) -> None:
         while True:
             msg = self._decoder.decode(await self._receiver.recv())
+            self._last_report = time.monotonic()
             if isinstance(msg, StepOutputs):
                 self._stats = msg.stats
                 if msg.outputs:
@@ -281,7 +281,7 @@ class AsyncEngineClient:
                 stream = self._by_wire_id.get(msg.request_id)
                 if stream is not None:
                     self._forget(stream, abort_in_core=False)
-                    stream.queue.put_nowait(_rebuild_error(msg.error_type, msg.message, BackendError))
+                    stream.queue.put_nowait(errors.rebuild(msg.error_type, msg.message, BackendError))
 
     def _on_outputs(self, wire_outputs) -> None:
         outputs = []

@@ -24,10 +24,16 @@ class EngineConfig:
     both ``kv_cache_memory_gb`` and ``gpu_memory_utilization`` is an error.
 
     Left as None, ``enable_prefix_caching`` and ``enable_chunked_prefill`` are on where the
-    backend supports them, and ``max_num_batched_tokens`` is the platform's proposal (its
+    backend supports them, ``max_num_batched_tokens`` is the platform's proposal (its
     ``default_max_num_batched_tokens``, else 2048) — or, with chunked prefill off, large enough
-    for a ``max_model_len`` prompt. ``resolve`` fills them in; asked for explicitly, a feature
-    the backend lacks stops start-up.
+    for a ``max_model_len`` prompt — and ``long_prefill_token_threshold`` is the platform's
+    ``default_long_prefill_token_threshold``, else 0 (no cap). ``check_against`` and
+    ``resolve_budget`` fill them in; asked for explicitly, a feature the backend lacks stops
+    start-up.
+
+    ``long_prefill_token_threshold``: the most prompt tokens one sequence computes in a step
+    while others run or wait; budget the others leave goes back to it (the scheduler's policy,
+    ``fd_core/engine/scheduler.py``). 0: no cap. It needs chunked prefill.
     """
 
     model: str
@@ -37,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None  # default: the platform's, else 0 (no cap)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float | None = None  # default: DEFAULT_KV_CACHE_MEMORY_GB or profiled
@@ -61,6 +68,9 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "num_kv_blocks", "tensor_parallel_size"):
             positive(name)
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
+            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {threshold!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -124,11 +134,19 @@ class EngineConfig:
             )
         if self.enable_chunked_prefill is None:
             self.enable_chunked_prefill = caps.chunked_prefill
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            why = ("chunked prefill is off" if caps.chunked_prefill
+                   else f"the {backend} backend does not support chunked prefill")
+            raise ConfigError(f"--long-prefill-token-threshold caps a prompt's chunks, but {why}")
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = caps.prefix_caching
 
-    def resolve_budget(self, max_model_len: int, platform_default: int | None = None) -> None:
-        """Fill in the step's token budget once the model's length is known."""
+    def resolve_budget(self, max_model_len: int, platform_default: int | None = None,
+                       platform_threshold: int | None = None) -> None:
+        """Fill in the step's token budget once the model's length is known, and the cap on one
+        sequence's prefill tokens per step (none without chunked prefill)."""
         if self.max_num_batched_tokens is None:
             budget = platform_default or DEFAULT_MAX_NUM_BATCHED_TOKENS
             self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(budget, max_model_len)
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = (platform_threshold or 0) if self.enable_chunked_prefill else 0

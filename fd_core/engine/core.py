@@ -26,10 +26,10 @@ from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import load_runner
 from fd_core.engine.model_runner import PLACEHOLDER, Launched
 from fd_core.engine.sampling_params import SamplingParams
-from fd_core.engine.scheduler import Scheduler, SchedulerOutput
+from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
-from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError, check_text
 from fd_core.interfaces import Platform, SampleOutput
 from fd_core.models import TensorParallel
 
@@ -96,25 +96,34 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
 def check_cache_salt(salt: object) -> None:
     if not isinstance(salt, str) or not salt:
         raise InvalidRequestError("cache_salt must be a non-empty string")
-    try:
-        salt.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: it could not be hashed
-        raise InvalidRequestError("cache_salt must be valid Unicode text") from None
+    check_text("cache_salt", salt)  # it is hashed as UTF-8
+
+
+def select_platform(config: EngineConfig, platform: Platform | None = None, registry=None) -> Platform:
+    """The platform ``config`` runs on, bound to its runtime, once ``config`` is validated and
+    checked against the platform's capabilities (filling in the defaults that depend on them):
+    an unsupported request fails here with one sentence naming the flag and the backend, before
+    anything loads. ``fd serve`` calls it before it starts the engine process too."""
+    from fd_core.plugins import get_registry
+    from fd_core.plugins.registry import bind_runtime
+
+    config.validate()
+    registry = registry or get_registry()
+    # --runtime: the platform bound to the tensor library it runs on (None: its default)
+    platform = (bind_runtime(platform, config.runtime) if platform is not None
+                else registry.platform(config.device, config.runtime))
+    config.check_against(platform.name, platform.capabilities())
+    return platform
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.loader import load_checkpoint, resolve_model
         from fd_core.plugins import get_registry
-        from fd_core.plugins.registry import bind_runtime
 
-        config.validate()
         registry = registry or get_registry()
-        # --runtime: the platform bound to the tensor library it runs on (None: its default)
-        self.platform = (bind_runtime(platform, config.runtime) if platform is not None
-                         else registry.platform(config.device, config.runtime))
+        self.platform = select_platform(config, platform, registry)
         self.capabilities = self.platform.capabilities()
-        config.check_against(self.platform.name, self.capabilities)
         self.config = config
 
         checkpoint = load_checkpoint(resolve_model(config.model))
@@ -126,7 +135,8 @@ class EngineCore:
                 f"--max-model-len {config.max_model_len} exceeds the model's context length {model_len}"
             )
         self.max_model_len = config.max_model_len or model_len
-        config.resolve_budget(self.max_model_len, getattr(self.platform, "default_max_num_batched_tokens", None))
+        config.resolve_budget(self.max_model_len, getattr(self.platform, "default_max_num_batched_tokens", None),
+                              getattr(self.platform, "default_long_prefill_token_threshold", None))
 
         config.max_model_len = self.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
@@ -168,7 +178,7 @@ class EngineCore:
             self.executor.initialize_swap_space(num_host_blocks, config.dtype)
             swap = SwapSpace(num_host_blocks)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, swap)
+                                   config.enable_chunked_prefill, swap, config.long_prefill_token_threshold)
         self.seqs: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -309,12 +319,9 @@ class EngineCore:
             if self.scheduler.has_work() and not out.preempted:
                 raise RuntimeError("the scheduler made no progress; this is a bug in fd")
             return outputs
-        parents = [s.seq for s in out.scheduled if s.seq.forks and s.samples]
+        parents = [s for s in out.scheduled if s.seq.forks and s.samples]
         self.stats["steps"] += 1
-        self.stats["prompt_tokens_computed"] += sum(
-            max(0, min(s.seq.num_computed + s.num_new, len(s.seq.prompt_token_ids)) - s.seq.num_computed)
-            for s in out.scheduled
-        )
+        self._account_step(out)
         if not self.async_scheduling:
             result = self.executor.execute(out.scheduled)
             self._advance(out, parents)
@@ -340,10 +347,36 @@ class EngineCore:
         pending = flight.launched.pending
         return self._apply(flight.launched.sampled, pending.result() if pending else None, flight.slots)
 
-    def _advance(self, out: SchedulerOutput, parents: list[Sequence]) -> None:
+    def _account_step(self, out: SchedulerOutput) -> None:
+        """Count the step's prompt tokens, and refuse to run it past the engine's limits: its
+        tokens plus the rows of the forks it seats within the budget, the running sequences
+        plus those forks (and so the rows it samples) within max_num_seqs. The scheduler never
+        builds such a step (``tests/test_scheduler_properties.py``); this catches a regression
+        before it costs a step of unbounded length, for a few additions per scheduled sequence
+        in the pass the prompt-token count makes anyway."""
+        tokens = forks = computed = 0
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new
+            tokens += n
+            forks += len(s.forks)
+            prompt = len(seq.prompt_token_ids)
+            if seq.num_computed < prompt:
+                computed += min(seq.num_computed + n, prompt) - seq.num_computed
+        self.stats["prompt_tokens_computed"] += computed
+        c, running = self.config, len(self.scheduler.running)
+        if (tokens + forks > c.max_num_batched_tokens or running + forks > c.max_num_seqs
+                or len(out.scheduled) > running):
+            raise RuntimeError(
+                f"the scheduler exceeded its limits: {tokens} tokens and {forks} forks for a budget of "
+                f"{c.max_num_batched_tokens}, {len(out.scheduled)} scheduled of {running} running with "
+                f"max_num_seqs={c.max_num_seqs}; this is a bug in fd")
+
+    def _advance(self, out: SchedulerOutput, parents: list[ScheduledSeq]) -> None:
         self.scheduler.advance(out)
-        for parent in parents:  # the siblings sampled from its logits: now they run on their own
-            self.executor.copy_blocks(self.scheduler.fork(parent))
+        copies = []
+        for s in parents:  # the forks it seated sampled from its logits: now they run on their own
+            copies += self.scheduler.fork(s)
+        self.executor.copy_blocks(copies)
 
     def _apply(self, sampled: list[Sequence], o: SampleOutput | None,
                slots: list[int] | None = None) -> list[CoreOutput]:

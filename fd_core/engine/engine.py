@@ -9,6 +9,7 @@ from fd_core.engine.config import EngineConfig
 from fd_core.engine.core import EngineCore
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.interfaces import Platform
 
@@ -34,7 +35,7 @@ class LLMEngine:
                     prompt_text: str | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+            prompt_text, token_ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:
             token_ids = [int(t) for t in prompt]
         self.core.add_request(request_id, token_ids, params, cache_salt)

@@ -34,8 +34,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 @dataclass
 class StepResult:
     """Sampled tokens, one row per sequence in ``sampled``: the scheduled sequences whose step
-    reached their end, each followed by the siblings waiting to fork from it (they sample from
-    the same logits, each with its own seed)."""
+    reached their end, each followed by the forks seated with it (they sample from the same
+    logits, each with its own seed)."""
 
     sampled: list[Sequence]
     output: SampleOutput | None
@@ -78,8 +78,8 @@ class StepInputs:
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
-    scheduled sequence whose step reaches its end, followed by the siblings waiting to fork from
-    it (they sample from the same row, each with its own seed).
+    scheduled sequence whose step reaches its end, followed by the forks the scheduler seated
+    with it (``ScheduledSeq.forks``: they sample from the same row, each with its own seed).
 
     Built with one Python pass over the sequences and array operations after it: at a few
     hundred sequences per step this runs every step, between two forwards."""
@@ -111,7 +111,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
             row = int(query_start_loc[i + 1]) - 1
             sampled.append(s.seq)
             rows.append(row)
-            for fork in s.seq.forks:
+            for fork in s.forks:
                 sampled.append(fork)
                 rows.append(row)
     meta = AttentionMetadata(

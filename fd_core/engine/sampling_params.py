@@ -5,9 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fd_core.errors import InvalidRequestError
+from fd_core.errors import InvalidRequestError, check_text
 
 _GREEDY_BELOW = 1e-5
+
+# Upper bounds of the integer fields. Every front end parses requests against these (the HTTP
+# schema imports them), and a SamplingParams past one cannot be built: the engine packs these
+# values into int64 arrays and msgpack carries at most 64 bits, so an unbounded integer would
+# fail inside a step instead of at the door.
+MAX_N = 128  # choices per request: enough for any sampling recipe, bounded so one call cannot flood the engine
+MAX_LOGPROBS = 20  # as OpenAI and vLLM's default --max-logprobs
+MAX_SEED = 2**63 - 1  # int64, vLLM's bound too
+MAX_INT = 2**31 - 1  # top_k, max_tokens, min_tokens, token ids: far past any vocabulary or context
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_CHARS = 1024  # per stop string: each is searched in every new piece of text
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -61,19 +73,19 @@ class SamplingParams:
                 raise bad(f"{name} must be a number, got {value!r}")
             return float(value)
 
-        def integer(name: str, value: object) -> int:
+        def integer(name: str, value: object, low: int = 0, high: int = MAX_INT) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise bad(f"{name} must be an integer, got {value!r}")
+            if not low <= value <= high:
+                raise bad(f"{name} must be an integer in [{low}, {high}], got {value}")
             return value
 
-        if integer("n", self.n) < 1:
-            raise bad(f"n must be at least 1, got {self.n}")
+        integer("n", self.n, 1, MAX_N)
         if number("temperature", self.temperature) < 0 or math.isinf(self.temperature):
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < number("top_p", self.top_p) <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if integer("top_k", self.top_k) < -1:
-            raise bad(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        integer("top_k", self.top_k, -1)  # -1 and 0 disable it; past the vocabulary it keeps every token
         if not 0 <= number("min_p", self.min_p) <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not -2 <= number("presence_penalty", self.presence_penalty) <= 2:
@@ -84,22 +96,30 @@ class SamplingParams:
         if not 0 < rp or math.isinf(rp):
             raise bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.seed is not None:
-            integer("seed", self.seed)
-        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if integer("min_tokens", self.min_tokens) < 0:
-            raise bad(f"min_tokens must be >= 0, got {self.min_tokens}")
+            integer("seed", self.seed, 0, MAX_SEED)
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1)
+        integer("min_tokens", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= 20:
-            raise bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 raise bad("stop must be a non-empty string or a list of non-empty strings")
+            if len(stops) > MAX_STOP:
+                raise bad(f"stop takes at most {MAX_STOP} strings, got {len(stops)}")
+            for s in stops:
+                if len(s) > MAX_STOP_CHARS:
+                    raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(s)}")
+                check_text("stop", s)
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-                raise bad("stop_token_ids must be a list of non-negative integers")
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in self.stop_token_ids):
+                raise bad(f"stop_token_ids must be a list of integers in [0, {MAX_INT}]")
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

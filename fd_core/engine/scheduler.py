@@ -1,25 +1,41 @@
 """Continuous batching over a token budget, first come first served.
 
 Each step the scheduler decides, for every sequence it runs, how many of its not-yet-computed
-tokens go into the step (at most ``max_num_batched_tokens`` in all, at most ``max_num_seqs``
-sequences running):
+tokens go into the step, and which rows it samples. Its limits, which no step exceeds: the
+tokens it computes plus the rows of the forks it seats (below) are at most
+``max_num_batched_tokens``; the running sequences plus the forks it seats are at most
+``max_num_seqs``, and so are the rows it samples (each running sequence samples at most one).
 
 1. Running sequences first, oldest arrival first: a decoding sequence takes 1 token, a
    sequence still prefilling takes as much of its remaining prompt as the budget leaves
-   (chunked prefill), so decodes are never starved by a long prompt. When the block pool cannot
-   hold a running sequence's new tokens, the newest running sequence is preempted — by swapping
-   its blocks to host memory when there is swap space for them, else by recompute (its blocks
-   are released and it starts over, less what the prefix cache still holds) — until it can; a
-   sequence that is itself the newest preempts itself.
+   (chunked prefill), so decodes are never starved by a long prompt. With a
+   ``long_prefill_token_threshold`` (0: none) a prefilling sequence with more tokens left than
+   the threshold takes the threshold's worth — and none at all if an older one past it has no
+   more tokens left than itself (that one finishes first: prompts beyond the threshold are
+   prefilled oldest first, not in turns). When the block pool cannot hold a running
+   sequence's new tokens, the newest running sequence is preempted — by swapping its blocks to
+   host memory when there is swap space for them, else by recompute (its blocks are released
+   and it starts over, less what the prefix cache still holds) — until it can; a sequence that
+   is itself the newest preempts itself.
 2. Then, only if nothing was preempted, waiting sequences in arrival order (preempted ones keep
    their place, so they come back first): a swapped sequence gets fresh blocks and its host
    blocks are copied back; any other is matched against the prefix cache and computes only
-   what the cache lacks. Admission stops at the first sequence that does not fit (budget,
-   ``max_num_seqs``, free blocks; with chunked prefill off, a prompt must fit the budget whole),
-   so a long prompt is never overtaken by later short ones.
+   what the cache lacks, again at most the threshold. Admission stops at the first sequence
+   that does not fit (budget, ``max_num_seqs``, free blocks; with chunked prefill off, a prompt
+   must fit the budget whole), so a long prompt is never overtaken by later short ones.
+3. Budget left after admission goes back to the sequences the threshold held back, oldest
+   first, as far as free blocks allow (never by preempting): a long prompt alone still
+   prefills at the full budget, and one that prefills beside others leaves room for new
+   requests to start in the next step.
 
-The ``n`` outputs of one request enter as one sequence; the others are forked from it once its
-prompt is computed (``fork``).
+The ``n`` outputs of one request enter as one sequence holding the others in ``forks``. The
+step that computes the end of its prompt seats forks in order, each while there is a seat
+(``max_num_seqs``), a token of budget for its sampled row and, where the prompt ends inside a
+block, a free block for its copy of that block (promised to it until the step is recorded);
+those sample from the parent's row and then share its blocks (``fork``). The others are
+detached and queue as ordinary sequences, computing the prompt themselves (mostly from the
+prefix cache) and sampling their first token from their own logits: the same token, since
+sampling depends only on the logits, the seed and the step.
 """
 
 from __future__ import annotations
@@ -34,12 +50,16 @@ from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
 
 _by_arrival = operator.attrgetter("arrival")
+_by_seq_arrival = operator.attrgetter("seq.arrival")
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens computed this step, starting at seq.num_computed
+    # forks of ``seq`` seated this step: each samples its first token from this step's row of
+    # ``seq`` (with its own seed), then shares ``seq``'s blocks (Scheduler.fork)
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -59,19 +79,35 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.scheduled)
 
+    @property
+    def num_forks(self) -> int:
+        """Forks seated this step: one sampled row each, counted against the token budget."""
+        return sum(len(s.forks) for s in self.scheduled)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the step samples: one per scheduled sequence that reaches its end, one per fork."""
+        return sum(s.samples + len(s.forks) for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True, swap: SwapSpace | None = None) -> None:
+                 chunked_prefill: bool = True, swap: SwapSpace | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        # the most tokens one sequence computes in a step while budget is wanted elsewhere;
+        # 0: no cap (and none without chunked prefill: a prompt is then computed whole)
+        self.long_prefill_token_threshold = (long_prefill_token_threshold or 0) if chunked_prefill else 0
         self.swap = swap
         self.waiting: list[Sequence] = []  # by arrival
         self.running: list[Sequence] = []
         self.num_swapped_out = 0
         self.num_recomputed = 0
+        # during ``schedule``: forks seated so far, and the free blocks promised to them
+        self._seated = self._reserved = 0
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
@@ -88,9 +124,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
         budget = self.max_num_batched_tokens
+        limit = self.long_prefill_token_threshold
+        # forks seated this step, and the free blocks promised to them for their copies of the
+        # prompt's last block (taken in ``fork``, once the step is recorded)
+        self._seated = self._reserved = 0
 
         queue = deque(sorted(self.running, key=_by_arrival))
         kept: list[Sequence] = []
+        held: list[Sequence] = []  # running, past the threshold, behind an older one: leftover only
+        fewest = 1 << 62  # tokens left to the older sequences past the threshold scheduled so far
         scheduled = out.scheduled
         block_size = self.pool.block_size
         # a loop over every running sequence, every step: kept to plain attribute reads
@@ -101,25 +143,39 @@ class Scheduler:
                 # its last token is still on the device (asynchronous scheduling): nothing to run
                 kept.append(seq)
                 continue
-            num_new = min(len(seq.prompt_token_ids) + len(outputs) - seq.num_computed, budget)
+            remaining = len(seq.prompt_token_ids) + len(outputs) - seq.num_computed
+            if limit and remaining > limit:
+                if remaining >= fewest:  # an older one would finish first: it goes first
+                    held.append(seq)
+                    kept.append(seq)
+                    continue
+                num_new = min(limit, budget)
+            else:
+                num_new = min(remaining, budget)
             target = seq.num_computed + num_new
             if target > len(seq.block_table) * block_size:  # most decode steps fit the last block
                 need = self.pool.blocks_needed(seq, target)
-                while need > self.pool.num_free and queue:
+                while need > self.pool.num_free - self._reserved and queue:
                     self._preempt(queue.pop(), out)
-                if need > self.pool.num_free:
+                if need > self.pool.num_free - self._reserved:
                     self._preempt(seq, out)
                     continue
                 self.pool.grow(seq, target)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            s = ScheduledSeq(seq, num_new)
+            scheduled.append(s)
             kept.append(seq)
             budget -= num_new
+            if limit and remaining > limit:
+                fewest = remaining
+            if seq.forks and num_new == remaining:  # the end of its prompt: seat its forks
+                budget = self._seat_forks(s, budget, len(self.running) - len(out.preempted))
         kept.extend(queue)  # over budget this step; they stay running and go first next step
         self.running = kept
         for seq in out.preempted:
             self.add(seq)
 
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) + self._seated < self.max_num_seqs):
             seq = self.waiting[0]
             num_new = self._admit(seq, budget, out)
             if num_new is None:
@@ -127,16 +183,64 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            s = ScheduledSeq(seq, num_new)
+            out.scheduled.append(s)
             budget -= num_new
+            if seq.forks and s.samples:
+                budget = self._seat_forks(s, budget, len(self.running))
+
+        if limit and budget > 0:
+            budget = self._give_back(out, budget, held)
         return out
+
+    def _give_back(self, out: SchedulerOutput, budget: int, held: list[Sequence]) -> int:
+        """Budget admission left unused goes to the sequences the threshold held back (capped,
+        or left out behind an older one), oldest first, each as far as the free blocks allow.
+        Returns the budget left."""
+        block_size = self.pool.block_size
+        candidates = [s for s in out.scheduled if not s.samples] + [ScheduledSeq(seq, 0) for seq in held]
+        for s in sorted(candidates, key=_by_seq_arrival):
+            seq = s.seq
+            start = seq.num_computed + s.num_new
+            room = (len(seq.block_table) + self.pool.num_free - self._reserved) * block_size - start
+            extra = min(seq.num_tokens - start, budget, room)
+            if extra <= 0:
+                continue
+            self.pool.grow(seq, start + extra)
+            if not s.num_new:
+                out.scheduled.append(s)
+            s.num_new += extra
+            budget -= extra
+            if seq.forks and s.samples:
+                budget = self._seat_forks(s, budget, len(self.running))
+            if not budget:
+                break
+        return budget
+
+    def _seat_forks(self, s: ScheduledSeq, budget: int, num_running: int) -> int:
+        """Seat the waiting forks of ``s.seq``, whose step computes the end of its prompt, in
+        order, while each finds a seat (``num_running`` sequences run, besides the forks seated
+        this step), a token of budget for its sampled row and, where the prompt ends inside a
+        block, a free block for its copy of that block. Returns the budget left."""
+        seq = s.seq
+        partial = seq.num_tokens % self.pool.block_size != 0
+        for child in seq.forks:
+            if (num_running + self._seated >= self.max_num_seqs or budget < 1
+                    or (partial and self.pool.num_free - self._reserved < 1)):
+                break
+            s.forks.append(child)
+            self._seated += 1
+            self._reserved += partial
+            budget -= 1
+        return budget
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
         """Give a waiting sequence its blocks for this step; how many tokens it computes, or
         None (changing nothing) when it does not fit."""
+        free = self.pool.num_free - self._reserved
         if seq.status is Status.SWAPPED:
             num_new = self._fit(seq.num_tokens - seq.num_computed, budget)
-            if num_new is None or self.pool.blocks_needed(seq, seq.num_computed + num_new) > self.pool.num_free:
+            if num_new is None or self.pool.blocks_needed(seq, seq.num_computed + num_new) > free:
                 return None
             device = self.pool.take_blocks(len(seq.host_blocks))
             out.swap_in.extend(zip(seq.host_blocks, device))
@@ -148,7 +252,7 @@ class Scheduler:
         hits = self.pool.match(seq)
         cached = len(hits) * self.pool.block_size
         num_new = self._fit(seq.num_tokens - cached, budget)
-        if num_new is None or not self.pool.can_admit(seq, hits, cached + num_new):
+        if num_new is None or not self.pool.can_admit(seq, hits, cached + num_new, reserve=self._reserved):
             return None
         self.pool.admit(seq, hits, cached + num_new)
         self.pool.record_lookup(seq.num_tokens, cached)
@@ -157,9 +261,10 @@ class Scheduler:
         return num_new
 
     def _fit(self, remaining: int, budget: int) -> int | None:
-        if remaining > budget and not self.chunked_prefill:
-            return None
-        return min(remaining, budget)
+        if not self.chunked_prefill:
+            return remaining if remaining <= budget else None
+        limit = self.long_prefill_token_threshold
+        return min(remaining, budget, limit) if limit else min(remaining, budget)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         host = self.swap.take(len(seq.block_table)) if self.swap is not None else None
@@ -190,18 +295,24 @@ class Scheduler:
 
     # -- forks and endings -----------------------------------------------------------------
 
-    def fork(self, parent: Sequence) -> list[tuple[int, int]]:
-        """Start ``parent``'s waiting siblings from its computed prompt. Each that finds a seat
-        and a block shares the prompt's blocks; the others queue and compute it themselves
-        (mostly from the prefix cache). Returns the block copies to make now."""
+    def fork(self, s: ScheduledSeq) -> list[tuple[int, int]]:
+        """After the step that computed the end of ``s.seq``'s prompt (``advance`` first): the
+        forks that step seated (``s.forks``, which sampled from its row) share the prompt's
+        blocks and run; the others are detached and queue as ordinary sequences, to compute
+        the prompt themselves (mostly from the prefix cache). Returns the block copies to make
+        now."""
+        parent = s.seq
+        seated = {id(child) for child in s.forks}
         copies: list[tuple[int, int]] = []
         for child in parent.forks:
             child.fork_of = None
             child.num_cached_tokens = parent.num_cached_tokens
-            made = self.pool.fork(parent, child) if len(self.running) < self.max_num_seqs else None
-            if made is None:
+            if id(child) not in seated:
                 self.add(child)
                 continue
+            made = self.pool.fork(parent, child)
+            if made is None:  # its block was promised when the step was scheduled
+                raise RuntimeError("no block for a seated fork's copy; this is a bug in fd")
             copies.extend(made)
             child.status = Status.RUNNING
             self.running.append(child)

@@ -27,7 +27,8 @@ class Sequence:
     blocks wait in host memory (``host_blocks``).
 
     The ``n`` outputs of a request start as one sequence: the others wait in ``forks`` until it
-    has computed the prompt, then sample their first token from its logits and share its blocks.
+    has computed the prompt. Those the scheduler seats in that step sample their first token from
+    its logits and share its blocks; the others queue alone and compute the prompt themselves.
     """
 
     seq_id: int

@@ -140,18 +140,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", default=None,
                    help="tensor library to run on, e.g. paddle or torch (default: the backend's; see fd backends)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="tokens per engine step (default: the backend's choice, 2048 if it has none; "
                         "with chunked prefill off, at least max-model-len)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+    p.add_argument("--long-prefill-token-threshold", type=_count, default=None,
+                   help="most prompt tokens one request computes in a step while others run or wait; "
+                        "budget they leave goes back to it (default: the backend's choice, 24 on the CPU; "
+                        "0: no cap)")
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="fraction of device memory for weights + KV cache (backends that profile memory)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+    p.add_argument("--kv-cache-memory-gb", type=_positive_number, default=None,
                    help="KV-cache size in GiB (default: profiled where the backend can, else 2)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV-cache size in blocks")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact KV-cache size in blocks")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
     p.add_argument("--quantization", default=None)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
@@ -162,9 +166,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split long prompts across steps, mixed with decodes (default: on where supported)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache of shared prompt prefixes (default: on where supported)")
-    p.add_argument("--swap-space", type=float, default=0.0, metavar="GB",
+    p.add_argument("--swap-space", type=_non_negative, default=0.0, metavar="GB",
                    help="host memory for KV blocks of preempted requests; 0 recomputes them instead")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--seed", type=_count, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
 
 
@@ -175,6 +179,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model, device=args.device, runtime=args.runtime, dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
@@ -186,9 +191,14 @@ def engine_config(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from fd_server.launch import serve  # falls back to $FD_API_KEY
+    from fd_server.limits import ServerLimits
 
+    limits = ServerLimits(
+        max_concurrency=args.max_concurrency, max_sequences_per_request=args.max_sequences_per_request or None,
+        request_timeout=args.request_timeout or None, heartbeat_timeout=args.heartbeat_timeout or None,
+        tokenizer_pool_size=args.tokenizer_pool_size)
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 api_key=args.api_key, max_concurrency=args.max_concurrency)
+                 api_key=args.api_key, limits=limits)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -218,6 +228,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _within(parse: Any, ok: Any, expected: str) -> Any:
+    """An argparse ``type``: ``parse(text)``, refused unless ``ok(value)``, naming what it expected."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return value
+
+    return check
+
+
+_positive_int = _within(_integer, lambda v: v >= 1, "a positive integer")
+_count = _within(_integer, lambda v: v >= 0, "0 or more")
+_port = _within(_integer, lambda v: 0 <= v <= 65535, "a port from 1 to 65535, or 0 for any free one")
+_positive_number = _within(_number, lambda v: v > 0, "a number > 0")
+_non_negative = _within(_number, lambda v: v >= 0, "a number >= 0")
+_fraction = _within(_number, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+_seconds = _within(_number, lambda v: v >= 0, "a finite number of seconds >= 0")
+
+
 def _pins(items: Sequence[str] | None) -> dict[str, str]:
     pins = {}
     for item in items or []:
@@ -240,6 +288,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fd_server.limits import (
+        DEFAULT_HEARTBEAT_TIMEOUT_S,
+        DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        DEFAULT_REQUEST_TIMEOUT_S,
+        DEFAULT_TOKENIZER_POOL_SIZE,
+    )
+
     parser = _Parser(prog="fd", description="fd: LLM serving on any accelerator")
     parser.add_argument("--version", action="version", version=f"fd {__version__} (plugin API {API_VERSION})")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,17 +323,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     add_engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=_non_negative, default=0.0)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8180)
+    p.add_argument("--port", type=_port, default=8180, help="1-65535, or 0 for any free port (default 8180)")
     p.add_argument("--api-key", default=None, help="require this bearer token (default: $FD_API_KEY)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight before 429")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight before 429")
+    p.add_argument("--max-sequences-per-request", type=_count, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   metavar="N", help=f"prompts × n one request may ask for; more is a 400 (default "
+                                     f"{DEFAULT_MAX_SEQUENCES_PER_REQUEST}; 0: no limit)")
+    p.add_argument("--request-timeout", type=_seconds, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                   help=f"abort a request not finished S seconds after it arrived, answering 504 "
+                        f"(default {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: never)")
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
+                   help=f"/health (and new requests) answer 503 while the engine core has not reported for S "
+                        f"seconds (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}; 0: only a dead core is unhealthy)")
+    p.add_argument("--tokenizer-pool-size", type=_positive_int, default=DEFAULT_TOKENIZER_POOL_SIZE, metavar="N",
+                   help=f"threads that tokenize and render chat templates, off the event loop "
+                        f"(default {DEFAULT_TOKENIZER_POOL_SIZE})")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("chat", help="interactive chat with a running server (--base-url) or a local model")
@@ -286,8 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8180; omit to load --model here")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-name", default=None, help="model name to ask the server for (default: its first)")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-tokens", type=_positive_int, default=512)
+    p.add_argument("--temperature", type=_non_negative, default=0.7)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks")

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.engine import LLMEngine
 from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError
 from fd_core.loader import DEFAULT_MODEL
@@ -76,7 +77,8 @@ class LLM:
             text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
                                            **(chat_template_kwargs or {}))
             # the template already placed any BOS it wants
-            prompts.append((text, tok.encode(text, add_special_tokens=False)))
+            prompts.append((text, encode_prompt(tok, text, self.engine.max_model_len, "messages",
+                                                add_special_tokens=False)))
         return self._run(prompts, sampling_params, use_tqdm)
 
     @staticmethod

@@ -28,6 +28,12 @@ class Platform(Protocol):
     # e.g. a slow device picks a small one so a long prefill does not stall streams for long.
     # default_max_num_batched_tokens: int
     #
+    # Optional (API 1.4): the most prompt tokens one request computes in a step while others
+    # run or wait (budget they leave goes back to it), when the user gives none
+    # (--long-prefill-token-threshold); a slow device picks one so a request behind a long
+    # prompt starts within a step or two. None or 0: no cap.
+    # default_long_prefill_token_threshold: int | None
+    #
     # Optional (API 1.2): a platform that can run on more than one runtime lists them,
     # ``runtimes = ("paddle", "torch")``, its default (``runtime``) first; absent means
     # ``(runtime,)``. It then also implements ``with_runtime(name) -> Platform``: a copy bound

@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.3.0"
+API_VERSION = "1.4.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -15,6 +15,9 @@ API_VERSION = "1.3.0"
 #      ModelRunnerHooks.wrap_forward(forward, limits) and the replacement's warm_up
 # 1.3: optional ops (OpSpec.optional); the optional sample_async op returning a PendingSample
 #      (feed / result), with which the engine schedules asynchronously (--async-scheduling)
+# 1.4: Platform.default_long_prefill_token_threshold (optional): the platform's proposal for
+#      --long-prefill-token-threshold; a supports predicate may carry why(**context), the
+#      sentence fd doctor shows when it declines
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -45,7 +45,19 @@ class OpImpl:
             ok = bool(self.supports(**context))
         except Exception as exc:  # a buggy predicate must not take start-up down
             return False, f"supports() raised {type(exc).__name__}: {exc}"
-        return ok, "" if ok else "supports() declined this configuration"
+        if ok:
+            return True, ""
+        why = "supports() declined this configuration"
+        # optional: a predicate may carry ``why(**context)``, one sentence saying why it declines
+        explain = getattr(self.supports, "why", None)
+        if callable(explain):
+            try:
+                detail = str(explain(**context) or "")
+            except Exception:  # noqa: BLE001 - the reason is a report; the decision stands
+                detail = ""
+            if detail:
+                why += f": {detail}"
+        return False, why
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,21 @@ process dies (crash, out-of-memory kill, lost pipe):
    and the process exits with status 1, so a supervisor (systemd, Kubernetes, Docker restart
    policy) starts a fresh one. A server is never left running without an engine.
 
+A *stalled* engine (alive, but silent past the heartbeat timeout) is not dead: ``/health``
+and new requests get 503 until it reports again, and the server stays up.
+
 Other behaviour worth knowing: a client that disconnects, streaming or not, has its request
-aborted in the engine (its KV-cache blocks are freed at once); ``max_concurrency`` bounds the
-generation requests in flight and answers 429 past it; errors are OpenAI error objects
-(see ``fd_server.errors`` for the status of each).
+aborted in the engine (its KV-cache blocks are freed at once); the limits of
+``fd_server.limits`` bound what one request may cost (bodies, prompts × n, time, requests in
+flight); errors are OpenAI error objects (see ``fd_server.errors`` for the status of each).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,11 +44,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fd_core
 from fd_server import chat, completions, errors
 from fd_server.errors import APIError, engine_unavailable
+from fd_server.limits import MAX_BODY_BYTES, ServerLimits
 from fd_server.metrics import CONTENT_TYPE, ServerMetrics
 from fd_server.protocol import (
     ChatCompletionRequest,
@@ -92,39 +98,90 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-MAX_BODY_BYTES = 32 << 20  # far above any prompt that fits a context window
-
-
 class BodyLimitMiddleware:
-    """Refuses (413) a request that declares a body larger than ``MAX_BODY_BYTES``, before it
-    is read into memory."""
+    """Reads a request's body before the app does, refusing it (413) as soon as it passes
+    ``limit`` bytes: by its declared Content-Length at once, and for a chunked upload (which
+    declares none) when the bytes received so far pass it; the app then reads the buffered
+    body. Nothing larger than ``limit`` is ever held in memory."""
 
     def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            length = dict(scope.get("headers") or []).get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > self.limit:
-                error = APIError(413, f"The request body must be at most {self.limit} bytes.",
-                                 code="request_too_large")
-                await error.response()(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
                 return
-        await self.app(scope, receive, send)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        del chunks
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the disconnect, which the handlers watch for
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"The request body must be at most {self.limit} bytes.", code="request_too_large",
+                         headers={"Connection": "close"})  # the rest of the body is never read
+        await error.response()(scope, receive, send)
+
+
+def _exact_numbers(documented: Any, exact: Any) -> None:
+    """Put back the integers FastAPI's OpenAPI model turned into floats (it types ``maximum`` as a
+    float, so 2**63 - 1 came out as 9.223372036854776e18, a bound no client can check exactly)."""
+    if isinstance(documented, dict) and isinstance(exact, dict):
+        for key, value in documented.items():
+            if key not in exact:
+                continue
+            if isinstance(value, float) and isinstance(exact[key], int) and not isinstance(exact[key], bool):
+                documented[key] = exact[key]
+            else:
+                _exact_numbers(value, exact[key])
+    elif isinstance(documented, list) and isinstance(exact, list) and len(documented) == len(exact):
+        for a, b in zip(documented, exact):
+            _exact_numbers(a, b)
 
 
 def build_app(client: Any, served_model_name: str, api_key: str | None = None,
-              max_concurrency: int | None = None) -> FastAPI:
-    """The app serving ``client`` under the model name ``served_model_name``.
+              max_concurrency: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``
+    (``max_concurrency``, when given, overrides the one in ``limits``).
 
     ``app.state.monitor.dead`` is an ``asyncio.Event`` set when the engine dies; whoever runs
     the app (``fd_server.launch``) exits after the grace period."""
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be a positive integer, got {max_concurrency}")
+    limits = limits or ServerLimits()
+    if max_concurrency is not None:
+        limits = dataclasses.replace(limits, max_concurrency=max_concurrency)
+    max_concurrency = limits.max_concurrency
     metrics = ServerMetrics(client, served_model_name)
-    monitor = EngineMonitor(client, max_concurrency, on_finished=metrics.observe)
-    ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name)
+    monitor = EngineMonitor(client, max_concurrency, on_finished=metrics.observe,
+                            heartbeat_timeout=limits.heartbeat_timeout)
+    pool = concurrent.futures.ThreadPoolExecutor(limits.tokenizer_pool_size, thread_name_prefix="fd-tokenize")
+    ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, pool=pool,
+                        max_sequences_per_request=limits.max_sequences_per_request,
+                        request_timeout=limits.request_timeout or None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -133,6 +190,7 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
             yield
         finally:
             watcher.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="fd", version=fd_core.__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the fd engine.")
@@ -140,13 +198,13 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
     app.state.metrics = metrics
     app.state.context = ctx
     errors.install(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, limit=limits.max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for a client without the key
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware)
 
     async def generate(create: Callable[..., Awaitable[Any]], body: Any, request: Request) -> Response:
         if not monitor.healthy():
-            return engine_unavailable(monitor.dead_reason).response()
+            return engine_unavailable(monitor.unavailable_reason()).response()
         if not monitor.admit():
             return APIError(429, f"The server already has {max_concurrency} requests in flight; retry shortly.",
                             type="rate_limit_error", code="rate_limit_exceeded",
@@ -196,7 +254,7 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
     async def health() -> Response:
         if monitor.healthy():
             return JSONResponse({"status": "ok"})
-        return engine_unavailable(monitor.dead_reason).response()
+        return engine_unavailable(monitor.unavailable_reason()).response()
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
@@ -216,8 +274,14 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            for model in (ChatCompletionRequest, CompletionRequest):
+                exact = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, part in [(model.__name__, exact), *exact.get("$defs", {}).items()]:
+                    if name in components:
+                        _exact_numbers(components[name], part)
             app.openapi_schema = schema
         return app.openapi_schema
 

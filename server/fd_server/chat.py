@@ -41,14 +41,15 @@ from fd_server.serving import (
 async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Any:
     arrival = time.monotonic()
     P.check_model(body, ctx.model_name)
+    P.check_sequences(1, body.n, ctx.max_sequences_per_request)
     client = ctx.client
-    prompt_text, prompt_ids = P.chat_prompt(body, ctx.tokenizer)
+    prompt_text, prompt_ids = await ctx.offload(P.chat_prompt, body, ctx.tokenizer, client.max_model_len)
     P.check_prompt(client, prompt_ids, "messages")
     logprobs = P.chat_logprobs(body)
     sampling = P.sampling_params(
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs)
-    batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival)
+    batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout)
     batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:
         return SSEResponse(_events(ctx, body, batch, len(prompt_ids), logprobs), on_close=batch.close)

@@ -43,7 +43,8 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
     arrival = time.monotonic()
     P.check_model(body, ctx.model_name)
     client = ctx.client
-    prompts = P.completion_prompts(body, ctx.tokenizer)
+    prompts = await ctx.offload(P.completion_prompts, body, ctx.tokenizer, client.max_model_len,
+                                ctx.max_sequences_per_request)
     max_tokens = body.max_tokens if "max_tokens" in body.model_fields_set else None
     plan = []
     for text, ids in prompts:  # everything is checked before anything is submitted
@@ -52,7 +53,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
             client, body, prompt_len=len(ids),
             max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs)
         plan.append((text, ids, sampling))
-    batch = Batch(ctx.monitor, new_id("cmpl"), arrival)
+    batch = Batch(ctx.monitor, new_id("cmpl"), arrival, ctx.request_timeout)
     for text, ids, sampling in plan:
         batch.submit(ids, sampling, text, body.cache_salt)
     echoes = [_echo(ctx, text, ids) if body.echo else "" for text, ids in prompts]

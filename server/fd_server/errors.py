@@ -7,8 +7,9 @@
   not fit the context window is also a 400, with code ``context_length_exceeded``, because that
   is what OpenAI returns and what clients (LangChain, the ``openai`` package) match on;
 - 401 a missing or wrong API key; 404 an unknown model or route; 405 a wrong method; 413 a body
-  over 32 MiB; 429 too many requests in flight;
-- 503 the engine is unavailable (its process died or reports itself unhealthy);
+  over 32 MiB (however it is sent); 429 too many requests in flight;
+- 503 the engine is unavailable (its process died, or it has not reported within the heartbeat
+  timeout); 504 a request that ran past the server's ``--request-timeout`` (it was aborted);
 - 500 only for an unexpected exception, which is logged with its traceback.
 """
 
@@ -59,6 +60,11 @@ def engine_unavailable(reason: str = "") -> APIError:
     message = "The engine is unavailable" + (f": {reason}" if reason else "") + "; retry on another replica."
     return APIError(503, message, type="service_unavailable_error", code="engine_unavailable",
                     headers={"Retry-After": "5"})
+
+
+def request_timeout(seconds: float) -> APIError:
+    return APIError(504, f"The request did not finish within {seconds:g} s (the server's --request-timeout); "
+                         f"it was aborted.", type="timeout_error", code="request_timeout")
 
 
 def internal_error() -> APIError:

@@ -1,16 +1,22 @@
-"""``fd serve``: start the engine-core process, serve the HTTP API with uvicorn, stop both.
+"""``fd serve``: check the configuration, start the engine-core process, serve the HTTP API
+with uvicorn, stop both.
 
 Exit status: 0 after a normal shutdown (SIGINT/SIGTERM: requests in flight get up to
-``GRACEFUL_SHUTDOWN_S`` to finish, then the engine is shut down); 1 when the port cannot be
-bound (checked before the engine loads) or the engine died while serving (see the lifecycle in
-``fd_server.app``: the server exits ``FD_ENGINE_DEAD_EXIT_S`` seconds, default 5, after the
-engine died, so that a supervisor restarts it). An engine that cannot start raises its fd
-error to the caller, which reports it (``fd`` prints it and exits non-zero).
+``GRACEFUL_SHUTDOWN_S`` to finish, then the engine is shut down); 1 when the engine died while
+serving (see the lifecycle in ``fd_server.app``: the server exits ``FD_ENGINE_DEAD_EXIT_S``
+seconds, default 5, after the engine died, so that a supervisor restarts it). A configuration
+the backend cannot run, a port that cannot be bound, or an engine that cannot start raises its
+fd error to the caller before anything is served (``fd`` prints it and exits 2); all but the
+last are found before the engine process starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
+import ipaddress
+import json
 import logging
 import os
 import signal
@@ -19,6 +25,10 @@ import sys
 from typing import Any
 
 from fd_core.engine.config import EngineConfig
+from fd_core import errors
+from fd_core.errors import ConfigError
+
+from fd_server.limits import ServerLimits
 
 log = logging.getLogger("fd_server")
 
@@ -28,27 +38,93 @@ ENGINE_SHUTDOWN_S = 30.0
 
 
 def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
-          api_key: str | None, max_concurrency: int | None) -> int:
+          api_key: str | None, limits: ServerLimits | None = None) -> int:
     """Run the server until it is stopped; returns the process exit status."""
     _configure_logging()
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
+    limits = limits or ServerLimits()
     api_key = api_key or os.environ.get("FD_API_KEY") or None
     name = served_model_name or engine_config.model
+    _check_config(engine_config)
     # Bound before the engine loads (which can take minutes) so a taken port fails at once;
     # nothing listens on it until the engine is ready, so probes see a refused connection.
     try:
         sock = _bind(host, port)
     except OSError as exc:
-        log.error("fd: cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
-        return 1
+        why = "it is already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {why}; choose another --port "
+                          f"(0 takes any free one) or stop what holds it") from None
+    port = sock.getsockname()[1]  # the port given, or the one the system chose for --port 0
+    if not api_key and not _is_loopback(host):
+        log.warning("fd: listening on %s without --api-key: anyone who can reach this address can use the "
+                    "server; set --api-key (or FD_API_KEY) or --host 127.0.0.1", host)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(_serve(engine_config, sock, host, port, name, api_key, max_concurrency))
+        return asyncio.run(_serve(engine_config, sock, host, port, name, api_key, limits))
     except KeyboardInterrupt:
         return 130
     finally:
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _check_config(config: EngineConfig) -> None:
+    """Refuse a configuration the backend cannot run before anything starts, as the engine
+    process would after its start-up (``core.select_platform``, which it runs again).
+
+    In a forked child where the platform has ``fork``: checking imports the backends (their
+    tensor libraries: +250 MB for Paddle) and asks the device for its capabilities, and this
+    process, which only serves HTTP, should hold neither. Measured: the refusal of an
+    unsupported ``--quantization`` comes after 1.2 s instead of 3.2 s."""
+    from fd_core.engine.core import select_platform
+
+    config = dataclasses.replace(config)  # the engine process resolves the defaults itself
+    if not hasattr(os, "fork"):
+        select_platform(config)
+        return
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: answer through the pipe, never return into the caller's code
+        code = 0
+        try:
+            os.close(read)
+            try:
+                select_platform(config)
+                answer: dict[str, str] = {}
+            except Exception as exc:  # noqa: BLE001 - every refusal goes to the parent
+                answer = {"type": type(exc).__name__, "message": str(exc)}
+            os.write(write, json.dumps(answer).encode())
+        except BaseException:  # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    try:
+        answer = json.loads(b"".join(chunks) or b"null")
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        log.warning("fd: the configuration check ended without an answer (status %s); the engine checks it "
+                    "again as it starts", status)
+        return
+    if answer:
+        raise errors.rebuild(answer["type"], answer["message"], ConfigError)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: only localhost is known to stay on this machine
+        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -74,7 +150,7 @@ def _dead_exit_s() -> float:
 
 
 async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, name: str,
-                 api_key: str | None, max_concurrency: int | None) -> int:
+                 api_key: str | None, limits: ServerLimits) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -104,7 +180,7 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
     exit_code = 0
     helpers: list[asyncio.Task[Any]] = []
     try:
-        app = build_app(client, name, api_key=api_key, max_concurrency=max_concurrency)
+        app = build_app(client, name, api_key=api_key, limits=limits)
         config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)

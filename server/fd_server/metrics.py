@@ -57,6 +57,9 @@ _ENGINE_FIGURES = (
      "KV-cache blocks holding a cached prefix, in use or free until reused.", "gauge"),
     ("prefix_cache_evictions_total", "fd_prefix_cache_evictions",
      "Cached prefix blocks dropped from the prefix cache to be reused for other tokens.", "counter"),
+    ("report_age_seconds", "fd_engine_report_age_seconds",
+     ("Seconds since the engine core last reported (after every step; every 0.25 s when idle): the age of "
+      "the engine figures here. Past --heartbeat-timeout, /health is 503."), "gauge"),
 )
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError, PromptTooLongError
 
 from fd_server.errors import APIError, bad_request
-from fd_server.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest, SamplingFields
+from fd_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 def check_model(request: SamplingFields, served_model_name: str) -> None:
@@ -35,9 +36,6 @@ def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
 def _unsupported(request: SamplingFields) -> None:
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
-    stops = request.stop if isinstance(request.stop, list) else []
-    if len(stops) > MAX_STOP:
-        raise bad_request(f"stop takes at most {MAX_STOP} strings, got {len(stops)}.", param="stop")
 
 
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
@@ -82,7 +80,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     messages = []
     for i, message in enumerate(request.messages):
         item = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
+        if message.content is None:
+            # OpenAI lets an assistant message carry tool_calls instead of content (as null);
+            # templates concatenate content, so they get an empty one. Any other role must speak.
+            if message.role != "assistant":
+                raise bad_request(f"messages[{i}].content is required for a {message.role!r} message.",
+                                  param=f"messages.{i}.content")
+            item["content"] = ""
+        elif isinstance(message.content, list):
             texts = []
             for part in message.content:
                 if part.type != "text" or part.text is None:
@@ -94,7 +99,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_prompt(request: ChatCompletionRequest, tokenizer: Any) -> tuple[str, list[int]]:
+def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: int) -> tuple[str, list[int]]:
     if request.tools:
         raise bad_request("tools are not supported by this server yet.", param="tools")
     if request.response_format is not None and request.response_format.type != "text":
@@ -116,7 +121,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any) -> tuple[str, li
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", param="messages")
     # the template already placed any BOS the model wants
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
+    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -128,8 +133,10 @@ def chat_logprobs(request: ChatCompletionRequest) -> int | None:
 # -- completions -----------------------------------------------------------------------------
 
 
-def completion_prompts(request: CompletionRequest, tokenizer: Any) -> list[tuple[str | None, list[int]]]:
-    """The request's prompts as (text or None, token ids), in order."""
+def completion_prompts(request: CompletionRequest, tokenizer: Any, max_model_len: int,
+                       max_sequences: int | None = None) -> list[tuple[str | None, list[int]]]:
+    """The request's prompts as (text or None, token ids), in order; at most ``max_sequences``
+    prompts × n."""
     if request.suffix:
         raise bad_request("suffix is not supported by this server.", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -146,10 +153,31 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any) -> list[tuple
         items = list(prompt)  # type: ignore[arg-type]
     if not items:
         raise bad_request("prompt must not be empty.", param="prompt")
+    check_sequences(len(items), request.n, max_sequences)
     prompts: list[tuple[str | None, list[int]]] = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, str):
-            prompts.append((item, list(tokenizer.encode(item, add_special_tokens=True))))
+            field = "prompt" if len(items) == 1 else f"prompt.{i}"
+            prompts.append((item, _encode(tokenizer, item, max_model_len, field, add_special_tokens=True)))
         else:
             prompts.append((None, list(item)))
     return prompts
+
+
+def check_sequences(num_prompts: int, n: int, max_sequences: int | None) -> None:
+    """One request may not ask for more than ``max_sequences`` sequences (prompts × n): the
+    engine would run them all, and an 800-byte body could otherwise ask for thousands."""
+    if max_sequences is not None and num_prompts * n > max_sequences:
+        raise bad_request(
+            f"This request asks for {num_prompts} prompt(s) × n={n} = {num_prompts * n} sequences; this server "
+            f"takes at most {max_sequences} per request (--max-sequences-per-request). Split it into several requests.",
+            param="n" if num_prompts == 1 else "prompt")
+
+
+def _encode(tokenizer: Any, text: str, max_model_len: int, field: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, text, max_model_len, field, add_special_tokens=add_special_tokens)
+    except PromptTooLongError as exc:
+        raise bad_request(str(exc), param=field, code="context_length_exceeded") from exc
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=field) from exc

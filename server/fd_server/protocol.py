@@ -8,16 +8,56 @@ written here are also in /openapi.json, so generated clients and fuzzers see the
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+from fd_core.engine.sampling_params import (
+    MAX_INT,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 # -- shared ----------------------------------------------------------------------------------
 
 _REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-MAX_N = 128  # choices per request: enough for any sampling recipe, bounded so one call cannot flood the engine
-MAX_STOP = 64
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where ``value`` (a string, or lists and dicts of them) holds a lone surrogate, which JSON's
+    ``"\ud800"`` decodes to and which neither the tokenizer nor UTF-8 can take; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"U+{ord(value[exc.start]):04X} at character {exc.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(key) or _lone_surrogate(item)
+        if found:
+            return found
+    return None
+
+
+def _unicode(value: Any) -> Any:
+    found = _lone_surrogate(value)
+    if found:
+        raise PydanticCustomError("unicode", "not valid Unicode text: it holds a lone surrogate ({where})",
+                                  {"where": found})
+    return value
+
+
+# Text from the client: it must be valid Unicode (see _lone_surrogate); JSON, the same for free-form values
+Text = Annotated[str, AfterValidator(_unicode)]
+Json = Annotated[Any, AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class ErrorInfo(BaseModel):
@@ -53,28 +93,29 @@ class SamplingFields(BaseModel):
 
     model_config = _REQUEST
 
-    model: str
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=MAX_INT, description="-1 or 0: off; at least the vocabulary size: every token")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    user: str | None = None
+    user: Text | None = None
     # vLLM extensions
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(
+    cache_salt: Text | None = Field(
         None, min_length=1,
         description="Only requests with the same salt share cached prompt prefixes (e.g. one salt per tenant).")
     # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
@@ -84,37 +125,46 @@ class SamplingFields(BaseModel):
 # -- chat completions ------------------------------------------------------------------------
 
 
-class ContentPart(BaseModel):
+class _FreeForm(BaseModel):
+    """A model whose extra keys pass through (to the chat template): they must be valid text too."""
+
     model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-    text: str | None = None
+
+    @model_validator(mode="after")
+    def _extras_are_unicode(self) -> "_FreeForm":
+        _unicode(self.model_extra)
+        return self
 
 
-class ChatMessage(BaseModel):
+class ContentPart(_FreeForm):
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_FreeForm):
     """One message of a conversation. Extra keys (``tool_calls``, ``reasoning_content``...)
     reach the chat template unchanged."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = Field(
+        None, description="required, except in an assistant message (which may carry tool_calls instead)")
+    name: Text | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str = "text"
+class ResponseFormat(_FreeForm):
+    type: Text = "text"
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Json]] | None = None
+    tool_choice: Text | dict[str, Json] | None = None
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Json] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -182,11 +232,11 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 

@@ -4,13 +4,16 @@ for a disconnect, the SSE response, and the small text/logprob helpers."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -19,10 +22,12 @@ from starlette.types import Receive, Scope, Send
 from fd_core.engine.outputs import Logprob, RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
 
-from fd_server.errors import from_exception
+from fd_server.errors import from_exception, request_timeout
 from fd_server.streams import EngineMonitor, RequestStream, follow
 
 log = logging.getLogger("fd_server")
+
+T = TypeVar("T")
 
 # OpenAI reports impossible tokens with this instead of -inf, which JSON cannot carry
 MIN_LOGPROB = -9999.0
@@ -39,10 +44,20 @@ class ServerContext:
     client: Any
     monitor: EngineMonitor
     model_name: str
+    # tokenization and chat templates run here, off the event loop (see offload)
+    pool: concurrent.futures.Executor
+    max_sequences_per_request: int | None = None  # prompts × n of one request
+    request_timeout: float | None = None  # seconds from arrival until a request is aborted
 
     @property
     def tokenizer(self) -> Any:
         return self.client.tokenizer
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the worker pool. A 10 MB prompt takes seconds to tokenize; on the
+        event loop it would stall /health and every stream meanwhile (the tokenizer releases
+        the GIL while it works)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
 
 def new_id(prefix: str) -> str:
@@ -50,14 +65,25 @@ def new_id(prefix: str) -> str:
 
 
 class Batch:
-    """The engine requests of one HTTP request (one per prompt), followed together."""
+    """The engine requests of one HTTP request (one per prompt), followed together. With a
+    ``timeout`` (seconds from ``arrival``) every one still running then is aborted and the
+    request ends with a 504."""
 
-    def __init__(self, monitor: EngineMonitor, base_id: str, arrival: float) -> None:
+    def __init__(self, monitor: EngineMonitor, base_id: str, arrival: float, timeout: float | None = None) -> None:
         self.monitor = monitor
         self.base_id = base_id
         self.notify = asyncio.Event()
         self.streams: list[RequestStream] = []
         self.arrival = arrival  # time.monotonic() when the request came in, for the latency metrics
+        self._timer = None
+        if timeout:
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, arrival + timeout - time.monotonic()), self._expire, timeout)
+
+    def _expire(self, timeout: float) -> None:
+        log.warning("request %s ran past --request-timeout %g s; aborting it", self.base_id, timeout)
+        for stream in self.streams:
+            stream.fail(request_timeout(timeout))  # its pump stops, which aborts it in the engine
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None,
                cache_salt: str | None = None) -> None:
@@ -69,6 +95,8 @@ class Batch:
         return follow(self.streams, self.notify)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for stream in self.streams:
             stream.close()
 

@@ -25,22 +25,31 @@ log = logging.getLogger("fd_server")
 
 
 class EngineMonitor:
-    """Engine health as the server sees it, the requests in flight, and the concurrency limit."""
+    """Engine health as the server sees it, the requests in flight, and the concurrency limit.
+
+    Two kinds of trouble: a *dead* engine (its process is gone: the server fails everything and
+    exits, see ``fd_server.app``) and a *stalled* one (alive, but it has not reported — a step
+    or an idle heartbeat — for ``heartbeat_timeout`` seconds: frozen, swapping, stuck in a
+    step). A stalled engine is not serving: /health and new requests get 503 until it reports
+    again; requests in flight wait for it, bounded by the request timeout."""
 
     def __init__(self, client: Any, max_concurrency: int | None = None,
-                 on_finished: Callable[["RequestStream"], None] | None = None) -> None:
+                 on_finished: Callable[["RequestStream"], None] | None = None,
+                 heartbeat_timeout: float | None = None) -> None:
         self.client = client
         self.max_concurrency = max_concurrency
         self.on_finished = on_finished
+        self.heartbeat_timeout = heartbeat_timeout or None
         self.dead = asyncio.Event()
         self.dead_reason = ""
         self.streams: set[RequestStream] = set()
         self.in_flight = 0
         self._background: set[asyncio.Task] = set()
+        self._stalled = False
 
     # -- health ------------------------------------------------------------------------------
 
-    def healthy(self) -> bool:
+    def alive(self) -> bool:
         if self.dead.is_set():
             return False
         try:
@@ -48,6 +57,31 @@ class EngineMonitor:
         except Exception:  # a client that cannot even answer is not healthy
             log.exception("engine client is_healthy() raised")
             return False
+
+    def silent_for(self) -> float:
+        """Seconds since the engine core last reported (0 for a client that does not say)."""
+        age = getattr(self.client, "report_age", None)
+        return age() if age is not None else 0.0
+
+    def healthy(self) -> bool:
+        """Serving: alive and reporting."""
+        if not self.alive():
+            return False
+        stalled = self.heartbeat_timeout is not None and self.silent_for() > self.heartbeat_timeout
+        if stalled != self._stalled:
+            self._stalled = stalled
+            if stalled:
+                log.error("the engine core has not reported for %.1f s (--heartbeat-timeout %g); /health is 503 "
+                          "until it does", self.silent_for(), self.heartbeat_timeout)
+            else:
+                log.warning("the engine core reports again; serving")
+        return not stalled
+
+    def unavailable_reason(self) -> str:
+        if not self.alive():
+            return self.dead_reason
+        return (f"the engine core has not reported for {self.silent_for():.0f} s "
+                f"(stalled; --heartbeat-timeout {self.heartbeat_timeout:g})")
 
     def mark_dead(self, reason: str) -> None:
         """The engine is gone: fail every request in flight now; later ones get 503."""
@@ -62,9 +96,10 @@ class EngineMonitor:
     async def watch(self, interval: float = 0.1) -> None:
         """Poll the client's health so a dead engine is noticed even with nothing in flight."""
         while not self.dead.is_set():
-            if not self.healthy():
+            if not self.alive():
                 self.mark_dead("the engine-core process stopped")
                 return
+            self.healthy()  # logs a stall as it begins and ends
             await asyncio.sleep(interval)
 
     # -- admission ---------------------------------------------------------------------------

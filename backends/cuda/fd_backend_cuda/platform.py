@@ -15,6 +15,8 @@ class CudaPlatform:
     # halves the steps of a prefill-heavy load (vLLM picks the same for H100-class GPUs) while a
     # stream's longest gap stays short; --max-num-batched-tokens 2048 trades back.
     default_max_num_batched_tokens = 8192
+    # No default_long_prefill_token_threshold (API 1.4): at milliseconds a step, a request behind
+    # a long prompt waits a fraction of a second for it; --long-prefill-token-threshold sets one.
 
     def is_available(self) -> tuple[bool, str]:
         try:

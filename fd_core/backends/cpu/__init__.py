@@ -24,11 +24,20 @@ class CpuPlatform:
     device_type = "cpu"
     runtime = "paddle"
     runtimes = ("paddle", "torch")
-    # A step's length bounds the gap between a stream's tokens, and a 2-core host computes
-    # roughly 100-150 prompt tokens/s: 256 keeps that gap at 2-4 s while a long prompt
-    # prefills (2048 makes it ~26 s) for ~5% more prefill time (docs/PERFORMANCE.md,
-    # "Scheduling").
-    default_max_num_batched_tokens = 256
+    # A step's length is the gap between two tokens of every stream it carries, and on these
+    # compute-bound cores it grows with the step's tokens (~6.6 ms each; a 16-stream decode step
+    # takes ~260 ms). At 48 tokens a step (decode rows included), nothing one request does —
+    # 256 sequences at once, the most the server takes — stretches 16 streams' ITL p99 past
+    # 2.3x, against 4x at 256, and the ITL tail under 16 chat clients drops from 2.1 s to
+    # 0.7 s; it costs 11% on a lone 4,500-token prompt and 17% of output throughput under those
+    # clients (more passes over the weights). docs/PERFORMANCE.md, "Limits".
+    default_max_num_batched_tokens = 48
+    # While a prompt prefills, every other prefilling request is held to this many tokens a
+    # step and leftover budget goes back to it, so a request that arrives behind a 4,500-token
+    # prompt starts in the next step instead of after the whole prompt (~60 s), and the prompt
+    # alone loses nothing; half the budget leaves room beside it for new requests and the
+    # decodes of up to 24 streams (docs/PERFORMANCE.md, "Scheduling").
+    default_long_prefill_token_threshold = 24
 
     def __init__(self, runtime: str | None = None) -> None:
         if runtime is not None:

@@ -46,9 +46,10 @@ class PaddleDevicePlatform:
     collective_backend: str = ""  # paddle.distributed's name: "bkcl", "xccl", "nccl"...
     collective_library: str = ""  # what Capabilities reports: "bkcl", "xccl", "rccl"...
     requirement: str = ""  # what to install for the chip, e.g. "paddlepaddle-xpu"
-    # A step of a few hundred tokens keeps an emulated (CPU) server's streams responsive, as on
+    # A step of a few dozen tokens keeps an emulated (CPU) server's streams responsive, as on
     # the cpu backend; on the chip the engine's default applies.
-    emulated_max_num_batched_tokens = 256
+    emulated_max_num_batched_tokens = 48
+    emulated_long_prefill_token_threshold = 24  # likewise: the cpu backend's
 
     # -- what a backend implements ---------------------------------------------------------
 
@@ -89,6 +90,10 @@ class PaddleDevicePlatform:
     @property
     def default_max_num_batched_tokens(self) -> int | None:
         return self.emulated_max_num_batched_tokens if self.emulated else None
+
+    @property
+    def default_long_prefill_token_threshold(self) -> int | None:
+        return self.emulated_long_prefill_token_threshold if self.emulated else None
 
     def _empty_visible(self) -> str:
         return f"{self.visible_devices_env} is set but empty, so no {self.name} device is visible"

@@ -12,17 +12,31 @@ Each adapter has its op's exact signature (``fd_core.interfaces.ops``; the NumPy
   rotates ``x[..., :R]`` and passes the rest through here.
 
 Whether a kernel exists for a place depends on the Paddle build (CPU Paddle 3.3.1 has
-``fused_rms_norm`` and ``swiglu`` but no ``fused_rotary_position_embedding``).
-:func:`available` finds out once per
-(op, place, dtype) by running the kernel on a tiny input and comparing it with Paddle's
-reference (a kernel that runs but computes something else counts as unavailable);
+``fused_rms_norm`` and ``swiglu`` but no ``fused_rotary_position_embedding``), and on the CPU
+place also on the CPU (3.3.1's CPU ``fused_rms_norm`` dies with SIGILL on a CPU without AVX-512).
+:func:`probe` finds out once per (op, place, dtype) by running the kernel on a tiny input and
+comparing it with Paddle's reference (a kernel that runs but computes something else counts as
+unavailable). On a device place it runs in this process (a failing kernel raises); on the CPU
+place in a child process, all kernels and dtypes at once, so that a kernel that kills its
+process (SIGILL...) is declined with the signal as the reason instead of ending the engine; the
+CPU's answers are also cached across processes (see the comment above ``_CHILD_DTYPES``).
 :func:`register_fused` registers the adapters with a ``supports`` predicate that declines where
-the kernel is unavailable, so the reference runs instead.
+the kernel is unavailable, so the reference runs instead; the predicate's ``why`` gives the
+probe's reason to ``fd doctor``. :func:`probe_report` lists every kernel's answer.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -162,25 +176,316 @@ def _flat(result: Any) -> list[np.ndarray]:
     return [_to(r, paddle.float32).numpy() for r in items]
 
 
+def _check(op: str, place: str, dtype: str,
+           case: Callable[[str, str, str], tuple[Callable[[], Any], Callable[[], Any]]] = _probe_case
+           ) -> tuple[bool, str]:
+    """Run ``op``'s kernel once in this process and compare it with the reference: ``(ok, why)``.
+    An exception is a reason; a fault in the kernel (SIGILL...) ends this process."""
+    try:
+        fused, ref = case(op, place, dtype)
+        tol = 1e-4 if dtype in ("float32", "float64") else 5e-2
+        for g, w in zip(_flat(fused()), _flat(ref()), strict=True):
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+        return True, ""
+    except Exception as exc:  # noqa: BLE001 - not registered, unsupported dtype, wrong result...
+        return False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
 _PROBED: dict[tuple[str, str, str], tuple[bool, str]] = {}
+_LOCK = threading.Lock()
 
 
 def probe(op: str, place: str, dtype: str = "float32") -> tuple[bool, str]:
     """Whether ``op``'s fused kernel runs on ``place`` in ``dtype`` and agrees with Paddle's
-    reference on a tiny input, and if not, why. Cached per (op, place, dtype)."""
+    reference on a tiny input, and if not, why. Cached per (op, place, dtype) in this process;
+    on the CPU place the kernels run in a child process (see :func:`_probe_cpu`)."""
     key = (op, place, dtype)
-    if key not in _PROBED:
+    with _LOCK:
+        if key not in _PROBED:
+            if _is_cpu(place):
+                _probe_cpu(place, dtype, op)
+            else:  # a device kernel that fails raises; it does not kill the process
+                _record(key, _check(op, place, dtype), loud=False)
+        return _PROBED[key]
+
+
+def _record(key: tuple[str, str, str], result: tuple[bool, str], loud: bool) -> None:
+    _PROBED[key] = result
+    if not result[0]:
+        op, place, dtype = key
+        # a kernel that killed its probe process is news to whoever wonders why the reference runs
+        log.log(logging.WARNING if loud else logging.DEBUG, "fused kernel %s declined on %s for %s: %s",
+                KERNELS.get(op, op), place, dtype, result[1])
+
+
+# --- the CPU place: probing in a child process -------------------------------------------------
+#
+# A CPU kernel built for instructions this CPU lacks (Paddle 3.3.1's CPU fused_rms_norm on a CPU
+# without AVX-512) dies with SIGILL, which no try/except catches: probed in-process it would take
+# the engine down. On the CPU place every kernel (for every dtype in _CHILD_DTYPES, plus the one
+# asked for) is therefore run by one child process, `python -c _CHILD`:
+#
+#   parent -> child stdin:  {"place": "cpu", "cases": [[op, dtype], ...], "overrides": {...},
+#                            "path": [the parent's sys.path, which the child puts first]}
+#   child -> parent stdout: one line "fd-probe {"start": [op, dtype]}" before running a case and
+#                           one line "fd-probe {"done": [op, dtype], "ok": bool, "why": str}"
+#                           after it (other output is ignored).
+#
+# The child resets the fatal-signal handlers Paddle installs (glog's stack dumper: slow, and under
+# QEMU it hangs) so that a faulting kernel ends it at once. A child that dies after "start" without
+# "done" declines that case with the signal (or exit status) as the reason, and a new child probes
+# the cases it did not reach; one that fails before any case (or runs past CHILD_TIMEOUT_S)
+# declines every case it had.
+#
+# Results are also cached across processes, in a small JSON file under the user's cache dir
+# ($XDG_CACHE_HOME/fd, else ~/.cache/fd) keyed by Paddle's version and location, the Python
+# executable, the CPU's flags and this file's contents. Measured on the 2-core dev machine
+# (Paddle 3.3.1, AVX-512): one child probing all 9 cases costs 1.1-1.4 s of wall time (up to
+# 2.5 s when the cores are busy; importing paddle is most of it), two children (the first killed
+# by SIGILL, as on an AVX2-only CPU) 2.3-2.7 s, a cache hit 0.5 ms; `FD_EMULATE=xpu fd doctor`
+# takes 2.7 s with the children and 1.3-1.4 s with the cache. Under QEMU (qemu-x86_64 -cpu
+# Haswell-v4, where fused_rms_norm dies) the two children take 23 s: fd doctor 26.8 s, 10.0 s
+# cached. Without the file that cost would be paid by every process that selects an op table
+# (each engine, each tensor-parallel worker, each fd doctor, each test process), for an answer
+# that only changes with Paddle, Python, the CPU or this file, which are the key. Only definite
+# answers are cached (a result, or a death by a fault signal), never a timeout or a child that
+# could not start; where the CPU flags are unknown (not Linux) nothing is cached; a corrupt or
+# unwritable cache file is ignored.
+
+# The dtypes one child probes, besides the one asked for: each case costs milliseconds beside the
+# child's start-up, and the engine, fd doctor and the tests ask for these.
+_CHILD_DTYPES = ("float32", "float16", "bfloat16")
+# How long one child may take; a child past it is killed and its unanswered cases are declined.
+CHILD_TIMEOUT_S = 300.0
+# For tests only: op -> "module:function" building that op's ``(fused, reference)`` thunks in the
+# child, called as function(op, place, dtype) instead of the real case, e.g. one that kills its
+# process with os.kill(os.getpid(), signal.SIGILL) to stand for a kernel this CPU cannot run.
+# The module must be importable with the parent's sys.path. While any is set, the cross-process
+# cache is neither read nor written.
+CHILD_CASE_OVERRIDES: dict[str, str] = {}
+
+_PREFIX = "fd-probe "
+# Signals a kernel raises itself (its answer is the same next time, so it is cached); SIGKILL,
+# SIGTERM and the like come from outside and are not.
+_FAULTS = {getattr(signal, name) for name in ("SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGABRT")
+           if hasattr(signal, name)}
+_CACHE_FORMAT = 1
+_CACHE_ENTRIES = 8  # keys kept in the file (several venvs or Paddle versions), newest last
+
+
+def _is_cpu(place: str) -> bool:
+    return place.split(":")[0] == "cpu"
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's flags from /proc/cpuinfo; None where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def _death(kernel: str, returncode: int, last: str = "") -> tuple[str, bool]:
+    """Why a child that was running ``kernel``'s case ended with ``returncode`` (``last``: the
+    last line it wrote to stderr), and whether that answer may be cached."""
+    if returncode >= 0:
+        return (f"{kernel}'s probe process exited with status {returncode} before answering"
+                + (f": {last}" if last else "")), False
+    try:
+        sig = signal.Signals(-returncode)
+    except ValueError:
+        return f"{kernel} killed its probe process with signal {-returncode}", False
+    why = f"{kernel} killed its probe process with {sig.name} ({signal.strsignal(sig) or sig.name})"
+    if sig == signal.SIGILL:
+        flags = _cpu_flags()
+        if flags is not None and "avx512f" not in flags:
+            why += "; this CPU has no AVX-512 (no avx512f among its flags in /proc/cpuinfo)"
+    return why, sig in _FAULTS
+
+
+def _run_child(place: str, cases: list[tuple[str, str]]) -> tuple[
+        dict[tuple[str, str], tuple[bool, str]], tuple[str, str] | None, str, bool]:
+    """One child over ``cases``: ``(answers, the case it died in or None, why it died, whether
+    that is cacheable)``; ``why`` is "" when the child answered every case."""
+    request = {"place": place, "cases": cases, "overrides": dict(CHILD_CASE_OVERRIDES),
+               "path": [p for p in sys.path if isinstance(p, str)]}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(request), capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        out, err, returncode = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, err, returncode = _text(exc.stdout), _text(exc.stderr), None
+    except (OSError, ValueError) as exc:
+        return {}, None, f"the probe process could not start ({type(exc).__name__}: {exc})", False
+    answers: dict[tuple[str, str], tuple[bool, str]] = {}
+    started: tuple[str, str] | None = None
+    for line in out.splitlines():
+        if not line.startswith(_PREFIX):
+            continue
         try:
-            fused, ref = _probe_case(op, place, dtype)
-            tol = 1e-4 if dtype in ("float32", "float64") else 5e-2
-            for g, w in zip(_flat(fused()), _flat(ref()), strict=True):
-                np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
-            _PROBED[key] = (True, "")
-        except Exception as exc:  # noqa: BLE001 - not registered, unsupported dtype, wrong result...
-            why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            _PROBED[key] = (False, why)
-            log.debug("fused kernel %s unavailable on %s for %s: %s", KERNELS.get(op, op), place, dtype, why)
-    return _PROBED[key]
+            msg = json.loads(line[len(_PREFIX):])
+            if "start" in msg:
+                started = (str(msg["start"][0]), str(msg["start"][1]))
+            else:
+                answers[(str(msg["done"][0]), str(msg["done"][1]))] = (bool(msg["ok"]), str(msg["why"]))
+                started = None
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+    if returncode is None:
+        kernel = KERNELS.get(started[0], started[0]) if started else "paddle"
+        return answers, started, (f"{'the ' + kernel + ' kernel' if started else 'the probe process'} did "
+                                  f"not answer within {CHILD_TIMEOUT_S:g} s"), False
+    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), "")
+    if started is not None:
+        why, cacheable = _death(KERNELS.get(started[0], started[0]), returncode, last)
+        return answers, started, why, cacheable
+    if len(answers) < len(cases):
+        return answers, None, (f"the probe process ended (status {returncode}) before probing"
+                               + (f": {last}" if last else "")), False
+    return answers, None, "", False
+
+
+def _text(data: Any) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _probe_cpu(place: str, dtype: str, op: str) -> None:
+    """Fill :data:`_PROBED` for every kernel on the CPU ``place`` in ``_CHILD_DTYPES`` and
+    ``dtype`` (and for ``op``, known or not): from the cache file, else from child processes."""
+    dtypes = tuple(dict.fromkeys((*_CHILD_DTYPES, dtype)))
+    ops = tuple(dict.fromkeys((*KERNELS, op)))
+    wanted = [(o, dt) for o in ops for dt in dtypes if (o, place, dt) not in _PROBED]
+    key = None if CHILD_CASE_OVERRIDES else _cache_key()
+    cached = _cache_read(key, place) if key else {}
+    # case -> (ok, why, whether the process died of it: logged as a warning)
+    results = {c: cached[c] for c in wanted if c in cached}
+    fresh: dict[tuple[str, str], tuple[bool, str, bool]] = {}  # what may go to the cache file
+    todo = [c for c in wanted if c not in cached]
+    while todo:
+        answers, died_in, why, cacheable = _run_child(place, todo)
+        for c, (ok, reason) in answers.items():
+            if c in todo:
+                results[c] = fresh[c] = (ok, reason, False)
+        todo = [c for c in todo if c not in answers]
+        if died_in is not None and died_in in todo:
+            results[died_in] = (False, why, True)
+            if cacheable:
+                fresh[died_in] = results[died_in]
+            todo.remove(died_in)
+        elif todo:  # the child could not probe at all: every case left gets its reason
+            for c in todo:
+                results[c] = (False, why, True)
+            todo = []
+    for (o, dt), (ok, why, died) in results.items():
+        _record((o, place, dt), (ok, why), died)
+    if key and fresh:
+        _cache_write(key, place, fresh)
+
+
+# The child's program: it imports fd_core (and the overrides' modules) as the parent does, from
+# the parent's sys.path.
+_CHILD = ("import json, sys; request = json.load(sys.stdin); "
+          "sys.path[:0] = [p for p in request['path'] if p not in sys.path]; "
+          "from fd_core.runtimes.paddle.fused import _child_main; _child_main(request)")
+
+
+def _child_main(request: Mapping[str, Any]) -> None:
+    """The child's side of the protocol above: probe each case of ``request``."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    except (ImportError, ValueError, OSError):
+        pass  # no core files from a kernel that faults, where the platform allows
+    place, overrides = request["place"], request.get("overrides", {})
+    for op, dtype in request["cases"]:
+        for sig in _FAULTS:  # the default action: a faulting kernel ends this process at once
+            signal.signal(sig, signal.SIG_DFL)
+        print(_PREFIX + json.dumps({"start": [op, dtype]}), flush=True)
+        case = _probe_case
+        if op in overrides:
+            module, _, name = overrides[op].partition(":")
+            case = getattr(importlib.import_module(module), name)
+        ok, why = _check(op, place, dtype, case)
+        print(_PREFIX + json.dumps({"done": [op, dtype], "ok": ok, "why": why}), flush=True)
+
+
+# --- the cross-process cache (see the comment above _CHILD_DTYPES) -----------------------------
+
+
+def _cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):  # unset, empty or relative: the XDG default
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fd", "fused_probe.json")
+
+
+def _cache_key() -> str | None:
+    """What the CPU probe's answers depend on, hashed; None where the CPU flags are unknown."""
+    flags = _cpu_flags()
+    if flags is None:
+        return None
+    try:
+        with open(__file__, "rb") as f:
+            source = hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+    parts = [paddle.__version__, getattr(paddle.version, "commit", ""), os.path.dirname(paddle.__file__),
+             sys.executable, sys.version, " ".join(sorted(flags)), source]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _cache_load() -> dict[str, Any]:
+    try:
+        with open(_cache_path()) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and data.get("format") == _CACHE_FORMAT and isinstance(data.get("entries"), dict):
+            return data
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return {"format": _CACHE_FORMAT, "entries": {}}
+
+
+def _cache_read(key: str, place: str) -> dict[tuple[str, str], tuple[bool, str, bool]]:
+    """``{(op, dtype): (ok, why, died)}`` cached for ``key`` on ``place``; entries of any
+    other shape are ignored."""
+    entry = _cache_load()["entries"].get(key)
+    found: dict[tuple[str, str], tuple[bool, str, bool]] = {}
+    if not isinstance(entry, dict):
+        return found
+    for name, value in entry.items():
+        parts = str(name).split("/")
+        if (len(parts) == 3 and parts[1] == place and isinstance(value, list) and len(value) == 3
+                and isinstance(value[0], bool) and isinstance(value[1], str) and isinstance(value[2], bool)):
+            found[(parts[0], parts[2])] = (value[0], value[1], value[2])
+    return found
+
+
+def _cache_write(key: str, place: str, results: Mapping[tuple[str, str], tuple[bool, str, bool]]) -> None:
+    path = _cache_path()
+    try:
+        data = _cache_load()
+        entry = data["entries"].pop(key, None)
+        entry = entry if isinstance(entry, dict) else {}
+        entry.update({f"{op}/{place}/{dt}": list(result) for (op, dt), result in results.items()})
+        data["entries"][key] = entry  # newest last
+        for old in list(data["entries"])[:-_CACHE_ENTRIES]:
+            del data["entries"][old]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".fused_probe.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:  # a read-only home, a full disk...: probe again next time
+        log.debug("could not write the fused-kernel probe cache %s: %s", path, exc)
 
 
 def available(op: str, place: str, dtype: str = "float32") -> bool:
@@ -194,13 +499,22 @@ def _dtype_name(dtype: Any) -> str:
 
 def supports(op: str, place: Callable[[], str]) -> Callable[..., bool]:
     """The ``supports`` predicate of ``op``'s adapter: the kernel is available on ``place()``
-    for the configuration's dtype (and, for rotary, the head size is even)."""
+    for the configuration's dtype (and, for rotary, the head size is even). Its ``why``
+    attribute, called with the same arguments, says why it declines (``fd doctor`` shows it)."""
 
     def check(dtype: Any = None, head_dim: int | None = None, quantization: str | None = None, **_: Any) -> bool:
         if op == "rotary" and head_dim is not None and head_dim % 2:
             return False
         return available(op, place(), _dtype_name(dtype))
 
+    def why(dtype: Any = None, head_dim: int | None = None, quantization: str | None = None, **_: Any) -> str:
+        if op == "rotary" and head_dim is not None and head_dim % 2:
+            return f"the kernel rotates pairs of dims; head size {head_dim} is odd"
+        where, dt = place(), _dtype_name(dtype)
+        ok, reason = probe(op, where, dt)
+        return "" if ok else f"probed on {where} for {dt}: {reason}"
+
+    check.why = why  # type: ignore[attr-defined]
     return check
 
 

@@ -1,0 +1,85 @@
+"""A real ``fd serve`` (``python -m fd_server``) on a free loopback port, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "e2e-key"
+START_TIMEOUT_S = 180
+
+
+class Server:
+    """One ``python -m fd_server`` process on a free loopback port."""
+
+    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", "fd_server", "--model", model, "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fd serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fd serve was not ready in {START_TIMEOUT_S} s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def engine_core_pid(self) -> int:
+        """The engine-core process: the server's child that multiprocessing spawned to run it."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and "spawn_main" in cmdline:
+                return int(entry.name)
+        raise AssertionError("no engine-core child process found")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fd_[a-z_]+) ([0-9.e+-]+)$", text, re.M)}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
