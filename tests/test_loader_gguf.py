@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fd_core.errors import CheckpointError, UnsupportedArchitectureError
+from fd_core.interfaces import QuantizedWeight
 from fd_core.loader import DEFAULT_MODEL, load_checkpoint, resolve_model
 from fd_core.loader.gguf_loader import hf_name, unpermute_rotary_rows
 from fd_core.loader.tokenizer import byte_alphabet
@@ -96,12 +97,28 @@ def test_smollm2_weights_match_transformers(smollm2, hf_smollm2):
 
 def test_weights_stream_in_order_with_float32(smollm2):
     names = []
-    for name, array in smollm2.weights():
+    for name, array in smollm2.weights(dequantize=True):
         names.append(name)
         assert array.dtype == np.float32 and array.flags.c_contiguous
         if len(names) == 3:
             break
     assert names == smollm2.weight_names()[:3]
+
+
+def test_smollm2_stays_quantized(smollm2):
+    """Its Q4_1 matrices come out as wint4 with zeros, its Q8_0 embedding as wint8, group 32,
+    never through float32; norms are plain float32."""
+    kinds = {}
+    for name, weight in smollm2.weights():
+        if isinstance(weight, QuantizedWeight):
+            assert weight.qweight.dtype == np.int8 and weight.scales.dtype == np.float32
+            assert weight.scales.shape == (weight.shape[0], weight.shape[1] // 32)
+            kinds[name] = (weight.method, weight.group_size, weight.zeros is not None)
+        else:
+            assert weight.ndim == 1 and weight.dtype == np.float32, name
+    assert kinds["model.embed_tokens.weight"] == ("wint8", 32, False)
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == ("wint4", 32, True)
+    assert len(kinds) == 1 + 30 * 7
 
 
 @pytest.mark.oracle
@@ -115,7 +132,7 @@ def test_quant_types_match_transformers(tiny, qtype):
     checkpoint = load_checkpoint(path)
     state = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).state_dict()
     source = load_file(str(tiny / "llama" / "model.safetensors"))
-    ours = dict(checkpoint.weights())
+    ours = dict(checkpoint.weights(dequantize=True))
     assert set(ours) == set(state) == set(source)
     for name, array in ours.items():
         np.testing.assert_allclose(array, state[name].numpy(), rtol=0, atol=1e-6, err_msg=name)

@@ -21,8 +21,10 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     checkpoint = checkpoint or load_checkpoint(resolve_model(config.model))
     model_config = checkpoint.config
     memory = platform.memory(rank % max(1, platform.device_count()))
+    # each quantization method the backend declares gets its own linear; weights of other
+    # methods are dequantized at load (DecoderForCausalLM.load_weights)
     ops = registry.op_table(platform, context=op_context(config.dtype, model_config.head_dim),
-                            pins=config.op_pins)
+                            pins=config.op_pins, methods=platform.capabilities().quantization)
     tp = TensorParallel(rank, world_size, comm)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     model.load_weights(checkpoint.weights())

@@ -10,7 +10,9 @@ from fd_core.interfaces.communicator import Communicator
 from fd_core.interfaces.memory import Memory
 from fd_core.interfaces.model_runner import ModelRunner, ModelRunnerHooks, RunnerLimits
 from fd_core.interfaces.ops import (
+    FP8_BLOCK,
     OP_SPECS,
+    QUANTIZATION_METHODS,
     AttentionMetadata,
     OpSpec,
     PendingSample,
@@ -23,7 +25,9 @@ from fd_core.interfaces.version import API_VERSION, is_compatible
 
 __all__ = [
     "API_VERSION",
+    "FP8_BLOCK",
     "OP_SPECS",
+    "QUANTIZATION_METHODS",
     "AttentionMetadata",
     "Capabilities",
     "Communicator",

@@ -27,15 +27,34 @@ class OpSpec:
     optional: bool = False  # the engine works without it (and uses it where a backend has it)
 
 
+QUANTIZATION_METHODS = ("wint8", "wint4", "block_wise_fp8")
+FP8_BLOCK = 128  # block_wise_fp8: one scale per 128 x 128 block of the weight
+
+
 @dataclass
 class QuantizedWeight:
-    """A weight-only quantized linear weight, canonical layout ``[out, in]`` before packing.
+    """A quantized linear weight, canonical layout ``[out, in]`` before any packing.
 
-    ``method``: ``"wint8"`` (int8 values, one scale per output row and group) or ``"wint4"``
-    (int4 values in ``[-8, 7]`` stored one per int8, same scales). ``scales`` has shape
-    ``[out, in // group_size]`` (``group_size == -1``: one group spanning ``in``; otherwise ``in``
-    is a multiple of ``group_size``).
-    Dequantized weight = ``qweight * repeat(scales, group_size, axis=1)``.
+    ``method``:
+
+    - ``"wint8"``: ``qweight`` int8; ``scales`` float32 ``[out, in // group_size]``
+      (``group_size == -1``: one group spanning ``in``; otherwise ``in`` is a multiple of it).
+    - ``"wint4"``: values in ``[-8, 7]``, stored one per int8; scales as for wint8.
+    - ``"block_wise_fp8"``: ``qweight`` float8 e4m3fn (on the host: uint8 holding its bits);
+      ``scales`` float32 ``[ceil(out / 128), ceil(in / 128)]``, one per 128 x 128 block
+      (``group_size`` is 128).
+
+    ``zeros`` (wint8 and wint4 only; None for symmetric weights): float32, the shape of
+    ``scales``, added after scaling. It carries the minimum of asymmetric formats (GGUF's Q4_1
+    and Q4_K) exactly.
+
+    Dequantized ``w[o, i] = qweight[o, i] * s + z`` with ``s``, ``z`` the scale and zero of the
+    group (or block) that holds ``[o, i]``.
+
+    ``layout`` is ``""`` for this canonical form. A backend whose ``linear`` wants another (packed
+    nibbles, a kernel's tile order) returns it from its ``pack_linear`` op under a name of its
+    own; only that backend's ``linear`` reads it, and ``qweight``/``scales``/``zeros`` then hold
+    whatever that layout says.
     """
 
     method: str
@@ -43,6 +62,8 @@ class QuantizedWeight:
     scales: Tensor
     group_size: int = -1
     shape: tuple[int, int] = (0, 0)
+    zeros: Tensor | None = None
+    layout: str = ""
 
 
 @dataclass
@@ -182,7 +203,27 @@ OP_SPECS: dict[str, OpSpec] = {
             "linear",
             "linear(x: T[N, in], weight: T[out, in] | QuantizedWeight, bias: T[out] | None = None)"
             " -> T[N, out]",
-            "y = x @ weight.T + bias. A QuantizedWeight is dequantized as its docstring says.",
+            """
+            y = x @ weight.T + bias. A QuantizedWeight is dequantized as its docstring says; an
+            implementation may compute in lower precision than that (int8 or bfloat16
+            activations, as llama.cpp and the GPU kernels do) within the tolerance the
+            conformance kit states for quantized cases. It is selected per quantization method:
+            the engine asks ``supports(quantization=method)`` once for each method its weights
+            use (and ``quantization=None`` for plain weights), so a backend may serve wint4 with a
+            kernel of its own and leave wint8 to the reference.
+            """,
+        ),
+        _spec(
+            "pack_linear",
+            "pack_linear(weight: QuantizedWeight) -> QuantizedWeight",
+            """
+            Optional. Called once at load on each quantized weight, already on the device in the
+            canonical layout; returns the form this backend's ``linear`` for that method reads
+            (its own ``layout``). Register it under the same ``supports`` predicate as that
+            ``linear``: the engine selects both per method together. Without it the canonical
+            form is what ``linear`` gets.
+            """,
+            optional=True,
         ),
         _spec(
             "silu_and_mul",

@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.4.0"
+API_VERSION = "1.5.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -18,6 +18,9 @@ API_VERSION = "1.4.0"
 # 1.4: Platform.default_long_prefill_token_threshold (optional): the platform's proposal for
 #      --long-prefill-token-threshold; a supports predicate may carry why(**context), the
 #      sentence fd doctor shows when it declines
+# 1.5: QuantizedWeight.zeros (asymmetric groups: GGUF Q4_1/Q4_K minimums) and .layout, the
+#      block_wise_fp8 method; linear selected per quantization method; the optional
+#      pack_linear op (a backend's packed weight form, made once at load)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from fd_core.errors import CheckpointError, ModelNotFoundError, UnsupportedArchitectureError
+from fd_core.errors import CheckpointError, UnsupportedArchitectureError
 from fd_core.loader.tokenizer_api import Tokenizer
 from fd_core.models.config import ModelConfig
+from fd_core.quantization.host import HostWeight, as_float
 
 from fd_core.models import ARCHITECTURES, weight_shapes  # noqa: E402
 
@@ -41,10 +42,12 @@ def canonical_architecture(name: str, source: Path | str) -> str:
 class Checkpoint:
     """A checkpoint ready to stream: ``config``, ``tokenizer``, ``format`` and ``weights()``.
 
-    ``weights()`` yields ``(hf_name, array)`` one tensor at a time, so at most one tensor beyond the
-    model's own copy is in memory. Arrays are float32 (or float16 where stored so); linear weights
-    are ``[out, in]``. A tied ``lm_head`` is not yielded: ``config.tie_word_embeddings`` says to
-    reuse the embedding.
+    ``weights()`` yields ``(hf_name, weight)`` one tensor at a time, so at most one tensor beyond the
+    model's own copy is in memory. A weight is a float32 array (or float16 where stored so), or,
+    for a matrix stored quantized in a form fd keeps (GGUF's Q4_1, say), a host
+    ``QuantizedWeight``; matrices are ``[out, in]``. ``weights(dequantize=True)`` and ``tensor()``
+    give float32 arrays throughout. A tied ``lm_head`` is not yielded:
+    ``config.tie_word_embeddings`` says to reuse the embedding.
     """
 
     def __init__(
@@ -54,7 +57,7 @@ class Checkpoint:
         format: str,
         config: ModelConfig,
         tokenizer: Tokenizer,
-        readers: Mapping[str, Callable[[], np.ndarray]],
+        readers: Mapping[str, Callable[[], HostWeight]],
     ) -> None:
         self.path = path
         self.format = format
@@ -70,18 +73,19 @@ class Checkpoint:
         return list(self._readers)
 
     def tensor(self, name: str) -> np.ndarray:
-        """One weight by its Hugging Face name."""
+        """One weight by its Hugging Face name, as a float array."""
         try:
             read = self._readers[name]
         except KeyError:
             raise CheckpointError(f"{self.path} has no weight named {name}.") from None
-        return read()
+        return as_float(read())
 
-    def weights(self) -> Iterator[tuple[str, np.ndarray]]:
+    def weights(self, dequantize: bool = False) -> Iterator[tuple[str, HostWeight]]:
         # disable=None: a bar on a terminal, silence in logs and pipes.
         names = tqdm(self._readers, total=len(self._readers), desc="Loading weights", unit="tensor", disable=None)
         for name in names:
-            yield name, self._readers[name]()
+            weight = self._readers[name]()
+            yield name, as_float(weight) if dequantize else weight
 
     def __repr__(self) -> str:
         return (
@@ -109,34 +113,3 @@ def select_weights(
             )
         names.append(name)
     return names
-
-
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Open a GGUF file, or a Hugging Face or Paddle model folder, found on local disk.
-
-    A folder holding a ``config.json`` is read as safetensors (Paddle layout when its tensors say
-    so, see :func:`fd_core.loader.paddle_loader.is_paddle_layout`); a folder without one but with a
-    single ``.gguf`` file is read as that file.
-    """
-    from fd_core.loader import gguf_loader, hf_loader, paddle_loader
-
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"No checkpoint at {path}: the path does not exist.")
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelNotFoundError(
-                f"{path} is a file but not a .gguf checkpoint; pass a model folder or a .gguf file."
-            )
-        return gguf_loader.load_gguf(path)
-    if (path / "config.json").is_file():
-        if paddle_loader.is_paddle_layout(path):
-            return paddle_loader.load_paddle(path)
-        return hf_loader.load_hf(path)
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return gguf_loader.load_gguf(ggufs[0])
-    if len(ggufs) > 1:
-        names = ", ".join(file.name for file in ggufs)
-        raise ModelNotFoundError(f"{path} holds several GGUF files ({names}); pass the one to load.")
-    raise ModelNotFoundError(f"{path} holds no model: no config.json and no .gguf file.")

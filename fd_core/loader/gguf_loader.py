@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format): weights dequantized to float32, config and tokenizer from metadata.
+"""GGUF files (llama.cpp's format): config and tokenizer from metadata, weights kept quantized where
+the type maps onto fd's wint8/wint4 exactly (``fd_core.quantization.gguf``), else dequantized to float32.
 
 Weights come out as ``transformers.AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` holds
 them: Hugging Face names, ``[out, in]`` layout, and for Llama the rows of ``attn_q``/``attn_k``
@@ -7,7 +8,9 @@ put back in the order the Hugging Face rotary expects (llama.cpp's converter int
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from fd_core.errors import CheckpointError, UnsupportedArchitectureError
+from fd_core.interfaces import QuantizedWeight
 from fd_core.loader.checkpoint import SUPPORTED_ARCHITECTURES, Checkpoint, select_weights
 from fd_core.loader.tokenizer import (
     CONTROL,
@@ -27,6 +31,10 @@ from fd_core.loader.tokenizer import (
     set_bos_eos,
 )
 from fd_core.models.config import ModelConfig
+from fd_core.quantization import gguf as gguf_quants
+from fd_core.quantization.host import HostWeight, permute_rows
+
+log = logging.getLogger("fd.loader")
 
 # general.architecture -> Hugging Face class, and whether llama.cpp permuted q/k rows for it.
 _ARCHITECTURES = {
@@ -233,13 +241,18 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _reader_for(tensor: Any, permute_heads: int | None) -> Callable[[], np.ndarray]:
+def _reader_for(tensor: Any, permute_heads: int | None, keep: bool) -> Callable[[], HostWeight]:
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    def read() -> np.ndarray:
-        if tensor.tensor_type == Q.F32:
-            weight = np.array(tensor.data, dtype=np.float32)
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+
+    def read() -> HostWeight:
+        weight: HostWeight
+        if keep:
+            weight = gguf_quants.decode(tensor.tensor_type.name, tensor.data, shape)  # type: ignore[arg-type]
+        elif tensor.tensor_type == Q.F32:
+            weight = np.array(tensor.data, dtype=np.float32).reshape(shape)
         else:
             try:
                 weight = dequantize(tensor.data, tensor.tensor_type)
@@ -247,12 +260,11 @@ def _reader_for(tensor: Any, permute_heads: int | None) -> Callable[[], np.ndarr
                 raise CheckpointError(
                     f"Tensor {tensor.name} is stored as {tensor.tensor_type.name}, which fd cannot dequantize."
                 ) from exc
-            weight = weight.astype(np.float32, copy=False)
-        # GGUF lists dimensions innermost first; NumPy wants them outermost first.
-        weight = weight.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+            weight = weight.astype(np.float32, copy=False).reshape(shape)
         if permute_heads is not None:
-            weight = unpermute_rotary_rows(weight, permute_heads)
-        return np.ascontiguousarray(weight)
+            order = unpermute_rotary_rows(np.arange(shape[0]), permute_heads)
+            weight = permute_rows(weight, order)
+        return weight if isinstance(weight, QuantizedWeight) else np.ascontiguousarray(weight)
 
     return read
 
@@ -366,7 +378,9 @@ def load_gguf(path: Path) -> Checkpoint:
     config, metadata, permuted = gguf_config(reader, path)
     tokenizer = gguf_tokenizer(reader, metadata, path)
     found: dict[str, tuple[int, ...]] = {}
-    readers: dict[str, Callable[[], np.ndarray]] = {}
+    readers: dict[str, Callable[[], HostWeight]] = {}
+    plain = {"F32", "F16", "BF16"}
+    dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -378,7 +392,14 @@ def load_gguf(path: Path) -> Checkpoint:
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_key_value_heads
         found[name] = tuple(int(n) for n in reversed(tensor.shape))
-        readers[name] = _reader_for(tensor, heads)
+        kind = tensor.tensor_type.name
+        keep = kind in gguf_quants.KEPT and len(found[name]) == 2
+        if kind not in plain and not keep:
+            dequantized[kind] += 1
+        readers[name] = _reader_for(tensor, heads, keep)
+    for kind, count in sorted(dequantized.items()):
+        log.info("%s: %d tensor(s) of type %s dequantized to float32 (fd keeps %s quantized)", path.name, count,
+                 kind, ", ".join(sorted(gguf_quants.KEPT)))
     names = select_weights(config, found, path)
     return Checkpoint(
         path=path,

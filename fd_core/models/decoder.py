@@ -8,16 +8,21 @@ embeddings are properties of the checkpoint.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from fd_core.errors import CheckpointError
-from fd_core.interfaces import AttentionMetadata, Memory
+from fd_core.interfaces import AttentionMetadata, Memory, QuantizedWeight
 from fd_core.models.config import ModelConfig
 from fd_core.models.parallel import TensorParallel
 from fd_core.models.rope import cos_sin_table
+from fd_core.quantization.host import HostWeight, as_float, concat_rows
+
+log = logging.getLogger("fd.model")
 
 Tensor = Any
 
@@ -111,10 +116,14 @@ class DecoderForCausalLM:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, np.ndarray]]) -> None:
-        """Consume ``(hf_name, [out, in] array)`` pairs, check them, fuse and upload them."""
+    def load_weights(self, weights: Iterable[tuple[str, HostWeight]]) -> None:
+        """Consume ``(hf_name, [out, in] weight)`` pairs, check them, fuse and upload them.
+
+        A quantized weight (``QuantizedWeight``) stays quantized where the op table has a
+        ``linear`` for its method (the backend declares it) and is dequantized here otherwise,
+        with one log line per method."""
         expected = self.traits.weight_shapes(self.config)
-        host: dict[str, np.ndarray] = {}
+        host: dict[str, HostWeight] = {}
         for name, array in weights:
             want = expected.get(name)
             if want is None:
@@ -126,38 +135,51 @@ class DecoderForCausalLM:
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
+        self._dequantized: Counter[str] = Counter()
         self._upload(host)
+        for method, count in sorted(self._dequantized.items()):
+            log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
+                     count, method, self.dtype, self.ops.device_type, method)
 
-    def _upload(self, host: dict[str, np.ndarray]) -> None:
+    def _upload(self, host: dict[str, HostWeight]) -> None:
         up, tp = self._to_device, self.tp
         c = self.config
-        embed = host.pop("model.embed_tokens.weight")
+        # The embedding and the LM head stay in the model's dtype whatever the checkpoint stores
+        # (as FastDeploy and vLLM keep them): a lookup gathers rows, and the logits decide every
+        # token (with bfloat16 activations for the head, SmolLM2's greedy text leaves
+        # transformers' at margins of 0.13 where the layers alone stay within 0.003).
+        embed = as_float(host.pop("model.embed_tokens.weight"))
         self.embed = up(tp.vocab_part(embed, lookup_row=True))
-        self.norm = up(host.pop("model.norm.weight"), norm=True)
         lm = host.pop("lm_head.weight", None)
         if lm is None and not tp.enabled:
             self.lm_head = self.embed  # tied: one tensor
         else:
-            self.lm_head = up(tp.vocab_part(embed if lm is None else lm, lookup_row=False))
+            self.lm_head = up(tp.vocab_part(embed if lm is None else as_float(lm), lookup_row=False))
+        self.norm = up(host.pop("model.norm.weight"), norm=True)
         self.layers = []
 
-        def column(name: str, default: Any = ...) -> np.ndarray | None:
+        def column(name: str, default: Any = ...) -> HostWeight | None:
             """This rank's output rows of a column-parallel weight or bias."""
             array = host.pop(name) if default is ... else host.pop(name, default)
-            return None if array is None else tp.part(array, axis=0)
+            return None if array is None else tp.part(array, axis=0, name=name)
+
+        def fused(names: list[str]) -> HostWeight:
+            return concat_rows([column(n) for n in names], ", ".join(names))  # type: ignore[misc]
 
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             get = host.pop
             layer = Layer()
-            layer.qkv = up(np.concatenate([column(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            layer.qkv = up(fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
             layer.qkv_bias = self._fused_bias([column(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
-            layer.o = up(tp.part(get(p + "self_attn.o_proj.weight"), axis=1))
+            o = p + "self_attn.o_proj.weight"
+            layer.o = up(tp.part(get(o), axis=1, name=o))
             layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
-            layer.gate_up = up(np.concatenate([column(p + "mlp.gate_proj.weight"), column(p + "mlp.up_proj.weight")]))
+            layer.gate_up = up(fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
             layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
                                                    column(p + "mlp.up_proj.bias", None)])
-            layer.down = up(tp.part(get(p + "mlp.down_proj.weight"), axis=1))
+            down = p + "mlp.down_proj.weight"
+            layer.down = up(tp.part(get(down), axis=1, name=down))
             layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
             layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
             layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
@@ -165,7 +187,21 @@ class DecoderForCausalLM:
             layer.k_norm = up(get(p + "self_attn.k_norm.weight"), norm=True) if self.traits.qk_norm else None
             self.layers.append(layer)
 
-    def _to_device(self, array: np.ndarray, norm: bool = False) -> Tensor:
+    def _keeps(self, weight: QuantizedWeight) -> bool:
+        """Whether the op table chose a ``linear`` for this weight's method."""
+        return weight.method in getattr(self.ops, "per_method", {})
+
+    def _to_device(self, array: HostWeight, norm: bool = False) -> Tensor:
+        if isinstance(array, QuantizedWeight):
+            if not self._keeps(array):
+                self._dequantized[array.method] += 1
+                array = as_float(array)
+            else:
+                put = self.memory.from_numpy
+                return self.ops.pack_linear(QuantizedWeight(
+                    array.method, put(np.ascontiguousarray(array.qweight)), put(array.scales, "float32"),
+                    array.group_size, tuple(array.shape),
+                    None if array.zeros is None else put(array.zeros, "float32")))
         # norms stay in float32 whatever the compute dtype: they are tiny and precision-critical
         return self.memory.from_numpy(np.ascontiguousarray(array), "float32" if norm else self.dtype)
 

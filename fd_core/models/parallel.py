@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from fd_core.interfaces import QuantizedWeight
+from fd_core.quantization.host import HostWeight, take
+
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Communicator
 from fd_core.models.config import ModelConfig
@@ -41,9 +44,12 @@ class TensorParallel:
                     f"--tensor-parallel-size {self.world_size} must divide the model's {what} ({count})"
                 )
 
-    def part(self, array: np.ndarray, axis: int = 0) -> np.ndarray:
-        """This rank's equal slice of ``array`` along ``axis``."""
+    def part(self, array: HostWeight, axis: int = 0, name: str = "") -> HostWeight:
+        """This rank's equal slice of ``array`` along ``axis`` (a quantized weight's scales and
+        zeros with it)."""
         size = array.shape[axis] // self.world_size
+        if isinstance(array, QuantizedWeight):
+            return take(array, axis, self.rank * size, (self.rank + 1) * size, name) if self.enabled else array
         index = [slice(None)] * array.ndim
         index[axis] = slice(self.rank * size, (self.rank + 1) * size)
         return array[tuple(index)]

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from fd_core.errors import ConfigError
-from fd_core.interfaces import OP_SPECS
+from fd_core.interfaces import OP_SPECS, QuantizedWeight
 
 log = logging.getLogger("fd.ops")
 
 Supports = Callable[..., bool]
+
+# chosen again for each quantization method a model's weights use
+QUANTIZED_OPS = ("linear", "pack_linear")
 
 
 def _always(**_: Any) -> bool:
@@ -146,83 +149,117 @@ class OpRegistry:
         runtime: str,
         context: Mapping[str, Any] | None = None,
         pins: Mapping[str, str] | None = None,
+        methods: Iterable[str] = (),
     ) -> "OpTable":
         """Choose one implementation per op among those usable on ``runtime``: the pinned one,
         else the highest-priority one whose ``supports(**context)`` accepts, else the
-        runtime's reference (with a warning)."""
+        runtime's reference (with a warning). ``linear`` and ``pack_linear`` are chosen again
+        for each quantization method in ``methods`` (``supports(quantization=method)``), so that
+        each method's weights go to the implementation that serves it."""
         context = dict(context or {})
         pins = dict(pins or {})
         unknown = set(pins) - set(OP_SPECS)
         if unknown:
             raise ConfigError(f"--op names unknown ops {sorted(unknown)}; known: {sorted(OP_SPECS)}")
-        reference = self._references.get(runtime, {})
-        adopted = self._adopted.get((device_type, runtime))
         choices: dict[str, Choice] = {}
         for op in OP_SPECS:
-            candidates = self.implementations(op, device_type, runtime)
-            if adopted is not None and op in reference:
-                name, priority, source = adopted
-                candidates = sorted(
-                    candidates + [OpImpl(op, device_type, name, reference[op], priority, _always, source, runtime)],
-                    key=lambda i: -i.priority,
-                )
-            ref_impl = (
-                OpImpl(op, device_type, "reference", reference[op], -(10**9), _always, runtime, runtime)
-                if op in reference
-                else None
+            if op == "pack_linear":
+                continue  # only per method: a plain weight is never packed
+            choice = self._choose(op, device_type, runtime, context, pins)
+            if choice is not None:
+                choices[op] = choice
+        per_method: dict[str, dict[str, Choice]] = {}
+        for method in sorted(set(methods)):
+            picked = {}
+            for op in QUANTIZED_OPS:
+                wanted = dict(pins)
+                if op == "pack_linear" and "linear" in pins and "pack_linear" not in pins:
+                    # a pinned linear reads only what its own pack_linear makes, or the canonical form
+                    if not any(i.name == pins["linear"] for i in self.implementations(op, device_type, runtime)):
+                        continue
+                    wanted["pack_linear"] = pins["linear"]
+                choice = self._choose(op, device_type, runtime, {**context, "quantization": method}, wanted)
+                if choice is not None:
+                    picked[op] = choice
+            per_method[method] = picked
+        return OpTable(device_type, runtime, choices, per_method)
+
+    def _choose(self, op: str, device_type: str, runtime: str, context: Mapping[str, Any],
+                pins: Mapping[str, str]) -> Choice | None:
+        reference = self._references.get(runtime, {})
+        adopted = self._adopted.get((device_type, runtime))
+        candidates = self.implementations(op, device_type, runtime)
+        if adopted is not None and op in reference:
+            name, priority, source = adopted
+            candidates = sorted(
+                candidates + [OpImpl(op, device_type, name, reference[op], priority, _always, source, runtime)],
+                key=lambda i: -i.priority,
             )
-            if op in pins:
-                wanted = pins[op]
-                pool = candidates + ([ref_impl] if ref_impl else [])
-                match = [c for c in pool if c.name == wanted]
-                if not match:
-                    names = sorted({c.name for c in pool})
-                    raise ConfigError(
-                        f"--op {op}={wanted}: no implementation named {wanted!r} for device "
-                        f"type {device_type!r} on the {runtime} runtime; available: {names}"
-                    )
-                choices[op] = Choice(op, match[0], "pinned by the user")
-                continue
-            declined = []
-            for impl in candidates:
-                ok, why = impl.accepts(context)
-                if ok:
-                    tied = f", for the {impl.runtime} runtime" if impl.runtime else ""
-                    passed = f"; declined: {'; '.join(declined)}" if declined else ""
-                    choices[op] = Choice(op, impl, f"priority {impl.priority}, supports this config{tied}{passed}")
-                    break
-                declined.append(f"{impl.name}: {why}")
-            else:
-                if ref_impl is None:
-                    continue  # reported by OpTable.missing(); only fatal if a model calls it
-                reason = "no implementation registered for this device type"
-                if declined:
-                    reason = "every registered implementation declined (" + "; ".join(declined) + ")"
-                log.warning("op %s on %s: falling back to the %s reference: %s", op, device_type, runtime, reason)
-                choices[op] = Choice(op, ref_impl, f"fallback to the {runtime} reference: {reason}")
-        return OpTable(device_type, runtime, choices)
+        ref_impl = (
+            OpImpl(op, device_type, "reference", reference[op], -(10**9), _always, runtime, runtime)
+            if op in reference
+            else None
+        )
+        if op in pins:
+            wanted = pins[op]
+            pool = candidates + ([ref_impl] if ref_impl else [])
+            match = [c for c in pool if c.name == wanted]
+            if not match:
+                names = sorted({c.name for c in pool})
+                raise ConfigError(
+                    f"--op {op}={wanted}: no implementation named {wanted!r} for device "
+                    f"type {device_type!r} on the {runtime} runtime; available: {names}"
+                )
+            return Choice(op, match[0], "pinned by the user")
+        declined = []
+        for impl in candidates:
+            ok, why = impl.accepts(context)
+            if ok:
+                tied = f", for the {impl.runtime} runtime" if impl.runtime else ""
+                passed = f"; declined: {'; '.join(declined)}" if declined else ""
+                return Choice(op, impl, f"priority {impl.priority}, supports this config{tied}{passed}")
+            declined.append(f"{impl.name}: {why}")
+        if ref_impl is None:
+            return None  # reported by OpTable.missing(); only fatal if a model calls it
+        reason = "no implementation registered for this device type"
+        if declined:
+            reason = "every registered implementation declined (" + "; ".join(declined) + ")"
+        method = context.get("quantization")
+        label = f"{op}[{method}]" if method and op in QUANTIZED_OPS else op
+        log.warning("op %s on %s: falling back to the %s reference: %s", label, device_type, runtime, reason)
+        return Choice(op, ref_impl, f"fallback to the {runtime} reference: {reason}")
 
 
 @dataclass
 class OpTable:
-    """The ops a model calls: ``ops.linear(x, w)``. Chosen once; never re-decided per call."""
+    """The ops a model calls: ``ops.linear(x, w)``. Chosen once; never re-decided per call.
+
+    ``per_method`` holds, for each quantization method the model's weights use, the ``linear``
+    (and ``pack_linear``) chosen for it; ``ops.linear`` hands a QuantizedWeight to its method's."""
 
     device_type: str
     runtime: str
     choices: dict[str, Choice] = field(default_factory=dict)
+    per_method: dict[str, dict[str, Choice]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for op, choice in self.choices.items():
             setattr(self, op, choice.impl.fn)
+        plain = self.choices.get("linear")
+        by_method = {m: c["linear"].impl.fn for m, c in self.per_method.items() if "linear" in c}
+        if plain is not None and any(fn is not plain.impl.fn for fn in by_method.values()):
+            self.linear = _dispatch_linear(plain.impl.fn, by_method)
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for ops without a choice
-        if name in OP_SPECS:
-            raise ConfigError(
-                f"op {name!r} has no implementation for device type {self.device_type!r} and the "
-                f"{self.runtime} runtime has no reference for it"
-            )
-        raise AttributeError(name)
+    def pack_linear(self, weight: QuantizedWeight) -> QuantizedWeight:
+        """The form the chosen ``linear`` for ``weight.method`` reads (the weight itself where that
+        implementation packs nothing)."""
+        choice = self.per_method.get(weight.method, {}).get("pack_linear")
+        return weight if choice is None else choice.impl.fn(weight)
+
+    def linear_choice(self, method: str | None) -> Choice | None:
+        if method is None:
+            return self.choices.get("linear")
+        return self.per_method.get(method, {}).get("linear")
 
     def has(self, op: str) -> bool:
         return op in self.choices
@@ -233,8 +270,20 @@ class OpTable:
 
     def describe(self) -> list[tuple[str, str, str, str]]:
         """``(op, implementation, registered by, why)`` rows, for ``fd doctor`` and logs."""
-        rows = [(op, c.impl.name, c.impl.source, c.reason) for op, c in self.choices.items()]
+        rows = [(op, c.impl.name, c.impl.source, c.reason) for op, c in self.choices.items() if op != "pack_linear"]
+        rows += [(f"{op}[{method}]", c.impl.name, c.impl.source, c.reason)
+                 for method, picked in self.per_method.items() for op, c in picked.items()]
         rows += [(op, "-", "-", "missing") for op in self.missing()]
+        chosen = set(self.choices) | {op for picked in self.per_method.values() for op in picked}
         rows += [(op, "-", "-", "optional, not provided") for op, spec in OP_SPECS.items()
-                 if spec.optional and op not in self.choices]
+                 if spec.optional and op not in chosen]
         return rows
+
+
+def _dispatch_linear(plain: Callable[..., Any], by_method: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
+    def linear(x: Any, weight: Any, bias: Any = None) -> Any:
+        if isinstance(weight, QuantizedWeight):
+            return by_method.get(weight.method, plain)(x, weight, bias)
+        return plain(x, weight, bias)
+
+    return linear

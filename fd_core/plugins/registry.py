@@ -239,9 +239,10 @@ class BackendRegistry:
         return dict(import_runtime(runtime).REFERENCE_OPS)
 
     def op_table(self, platform: Platform, context: dict[str, Any] | None = None,
-                 pins: dict[str, str] | None = None):
+                 pins: dict[str, str] | None = None, methods: Iterable[str] = ()):
+        """``methods``: the quantization methods whose ``linear`` is chosen too (see OpRegistry.select)."""
         self.ops.register_reference(platform.runtime, self.reference_ops(platform.runtime))
-        return self.ops.select(platform.device_type, platform.runtime, context, pins)
+        return self.ops.select(platform.device_type, platform.runtime, context, pins, methods)
 
 
 _registry: BackendRegistry | None = None

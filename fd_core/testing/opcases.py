@@ -61,7 +61,7 @@ def compare(case: OpCase, impl: str, what: str, actual: Any, expected: Any, exac
     where = _describe(case, impl)
     if actual.shape != expected.shape:
         raise OpMismatch(f"{where}: {what} has shape {list(actual.shape)}, the spec's has {list(expected.shape)}")
-    tol = {"rtol": 0.0, "atol": 0.0} if exact else spec.tolerance(case.op, case.dtype)
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else spec.tolerance(case.op, case.dtype, case.quantization)
     a, e = actual.astype(np.float64), expected.astype(np.float64)
     with np.errstate(invalid="ignore"):
         err = np.abs(a - e)
@@ -149,12 +149,21 @@ def _rotary(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     compare(case, impl, "k", dev.get(out[1]), want_k)
 
 
-def quantize(weight: np.ndarray, method: str, group_size: int) -> QuantizedWeight:
-    """Weight-only quantization as the contract's QuantizedWeight defines it (host arrays)."""
+def quantize(weight: np.ndarray, method: str, group_size: int, zeros: bool = False) -> QuantizedWeight:
+    """Weight-only quantization as the contract's QuantizedWeight defines it (host arrays):
+    symmetric, or with ``zeros`` asymmetric (each group's range mapped onto all the levels, as
+    GGUF's Q4_1 does)."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     top = 127 if method == "wint8" else 7
     blocks = weight.reshape(out_features, in_features // group, group)
+    if zeros:
+        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
+        scales = (high - low) / (2 * top + 1)
+        zero = low + (top + 1) * scales  # the value of level 0
+        q = np.clip(np.round((blocks - zero[..., None]) / scales[..., None]), -top - 1, top).astype(np.int8)
+        return QuantizedWeight(method, q.reshape(weight.shape), scales.astype(np.float32), group_size,
+                               weight.shape, zero.astype(np.float32))
     scales = np.abs(blocks).max(axis=-1) / top
     q = np.clip(np.round(blocks / scales[..., None]), -top - 1, top).astype(np.int8)
     return QuantizedWeight(method, q.reshape(weight.shape), scales.astype(np.float32), group_size, weight.shape)
@@ -162,7 +171,7 @@ def quantize(weight: np.ndarray, method: str, group_size: int) -> QuantizedWeigh
 
 def _quantized_on(dev: Device, qw: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(qw.method, dev.put(qw.qweight)[0], dev.put(qw.scales, "float32")[0],
-                           qw.group_size, qw.shape)
+                           qw.group_size, qw.shape, None if qw.zeros is None else dev.put(qw.zeros, "float32")[0])
 
 
 def _linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
@@ -172,7 +181,7 @@ def _linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     w = _randn(rng, p["out"], p["in"], scale=p["in"] ** -0.5)
     bias, bh = dev.put(_randn(rng, p["out"])) if p["bias"] else (None, None)
     if case.quantization:
-        qw = quantize(w, case.quantization, p["group_size"])
+        qw = quantize(w, case.quantization, p["group_size"], p.get("zeros", False))
         compare(case, impl, "output", dev.get(fn(x, _quantized_on(dev, qw), bias)), spec.linear(xh, qw, bh))
     else:
         weight, wh = dev.put(w)
@@ -342,9 +351,10 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
             add("linear", f"x[{n}, {fin}] weight[{fout}, {fin}]" + (" + bias" if bias else ""),
                 params=dict(n=n, **{"in": fin, "out": fout}, bias=bias))
         for method in sorted(capabilities.quantization & {"wint8", "wint4"}):
-            for group in (-1, 64):
-                add("linear", f"x[5, 128] {method} weight[48, 128] group {group} + bias", quantization=method,
-                    params=dict(n=5, **{"in": 128, "out": 48}, bias=True, group_size=group))
+            for group, zeros in ((-1, False), (64, False), (32, True)):
+                add("linear", f"x[5, 128] {method} weight[48, 128] group {group}" + (" + zeros" if zeros else "")
+                    + " + bias", quantization=method,
+                    params=dict(n=5, **{"in": 128, "out": 48}, bias=True, group_size=group, zeros=zeros))
         for n, inter in [(1, 8), (5, 64), (33, 1536)]:
             add("silu_and_mul", f"x[{n}, {2 * inter}]", params=dict(n=n, inter=inter))
         if dtype in capabilities.kv_cache_dtypes:

@@ -78,7 +78,19 @@ class BackendUnderTest:
         for impl in self.registry.ops.implementations(op, p.device_type, p.runtime):
             if impl.accepts(context)[0]:
                 found.setdefault(impl.name, impl.fn)
+        if op == "linear" and context.get("quantization"):
+            # a quantized linear is tested on what its own pack_linear made of the weight
+            packs = {i.name: i.fn for i in self.registry.ops.implementations("pack_linear", p.device_type, p.runtime)
+                     if i.accepts(context)[0]}
+            found = {name: _packed(fn, packs[name]) if name in packs else fn for name, fn in found.items()}
         return found
+
+
+def _packed(linear: Callable[..., Any], pack: Callable[..., Any]) -> Callable[..., Any]:
+    def run(x: Any, weight: Any, bias: Any = None) -> Any:
+        return linear(x, pack(weight), bias)
+
+    return run
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -6,13 +6,14 @@ so the discovery path every vendor relies on is exercised by the default install
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
-FD_API_VERSION = "1.2"
+FD_API_VERSION = "1.5"
 
 
 class CpuPlatform:
@@ -56,9 +57,12 @@ class CpuPlatform:
         return os.cpu_count() or 1
 
     def capabilities(self) -> Capabilities:
-        return reference_capabilities(HOST_DTYPES[self.runtime], collective_library="gloo",
+        caps = reference_capabilities(HOST_DTYPES[self.runtime], collective_library="gloo",
                                       pinned_host_memory=False, device_count=self.device_count(),
                                       memory_query=True)
+        if self.runtime == "torch":
+            caps = dataclasses.replace(caps, quantization=TORCH_QUANTIZATION)
+        return caps
 
     def memory(self, device_index: int = 0):
         if self.runtime == "torch":
@@ -103,3 +107,30 @@ def fd_register_ops(registry):
     # without Paddle (a GPU host with torch, say) still has `--device cpu --runtime torch`.
     registry.use_reference("cpu", "paddle")
     registry.use_reference("cpu", "torch")
+    # wint8/wint4 weights on torch: PyTorch's packed CPU kernels (torch_quantized.py); Paddle has
+    # no CPU kernel that reads integer weights, so there the weights are dequantized at load
+    for op in ("linear", "pack_linear"):
+        registry.register(op, "cpu", _torch_quantized(op), name="torch-packed", priority=10,
+                          supports=_quantized_methods, runtime="torch")
+
+
+TORCH_QUANTIZATION = frozenset({"wint8", "wint4"})
+
+
+def _quantized_methods(quantization: str | None = None, **_: object) -> bool:
+    return quantization in TORCH_QUANTIZATION
+
+
+def _torch_quantized(name: str):
+    """``torch_quantized.<name>``, imported at its first call (registration imports no torch)."""
+    fn = None
+
+    def call(*args, **kwargs):
+        nonlocal fn
+        if fn is None:
+            from fd_core.backends.cpu import torch_quantized
+
+            fn = getattr(torch_quantized, name)
+        return fn(*args, **kwargs)
+
+    return call

@@ -121,19 +121,24 @@ def rotary(
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = _F32) -> Tensor:
-    """The ``[out, in]`` matrix a QuantizedWeight stands for, in ``dtype``."""
-    if weight.method not in ("wint8", "wint4"):
-        raise ValueError(f"unknown quantization method {weight.method!r}")
+    """The ``[out, in]`` matrix a QuantizedWeight (canonical layout) stands for, in ``dtype``."""
+    if weight.layout:
+        raise ValueError(f"the reference reads only the canonical layout, not {weight.layout!r}")
     q = _f32(weight.qweight)
     scales = _f32(weight.scales)
     out_features, in_features = q.shape
-    if weight.group_size == -1 or weight.group_size == in_features:
-        w = q * scales
-    else:
-        groups = in_features // weight.group_size
-        w = q.reshape(out_features, groups, weight.group_size) * scales.unsqueeze(-1)
-        w = w.reshape(out_features, in_features)
-    return _to(w, dtype)
+    if weight.method == "block_wise_fp8":
+        block = weight.group_size
+        s = torch.repeat_interleave(torch.repeat_interleave(scales, block, dim=0), block, dim=1)
+        return _to(q * s[:out_features, :in_features], dtype)
+    if weight.method not in ("wint8", "wint4"):
+        raise ValueError(f"unknown quantization method {weight.method!r}")
+    group = in_features if weight.group_size == -1 else weight.group_size
+    groups = in_features // group
+    w = q.reshape(out_features, groups, group) * scales.unsqueeze(-1)
+    if weight.zeros is not None:
+        w = w + _f32(weight.zeros).unsqueeze(-1)
+    return _to(w.reshape(out_features, in_features), dtype)
 
 
 def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
