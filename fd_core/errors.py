@@ -39,17 +39,22 @@ class EngineDeadError(FdError, RuntimeError):
     """The engine-core process has died or failed; no request can run until the server restarts."""
 
 
-def check_text(field: str, text: str) -> None:
-    """Raise InvalidRequestError naming ``field`` unless ``text`` is valid Unicode. A lone
-    surrogate (JSON's ``"\\ud800"`` decodes to one) can be neither tokenized nor encoded as
-    UTF-8, so it must be refused where text enters, not fail deep inside."""
+def lone_surrogate(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one), which can be
+    neither tokenized nor encoded as UTF-8, as "U+D800 at character 3"; None if nowhere."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(
-            f"{field} is not valid Unicode text: it holds a lone surrogate (U+{ord(text[exc.start]):04X}) "
-            f"at character {exc.start}"
-        ) from None
+        return f"U+{ord(text[exc.start]):04X} at character {exc.start}"
+    return None
+
+
+def check_text(field: str, text: str) -> None:
+    """Raise InvalidRequestError naming ``field`` unless ``text`` is valid Unicode: it must be
+    refused where text enters, not fail deep inside."""
+    where = lone_surrogate(text)
+    if where:
+        raise InvalidRequestError(f"{field} is not valid Unicode text: it holds a lone surrogate ({where})")
 
 
 def rebuild(error_type: str, message: str, fallback: type[FdError]) -> FdError:

@@ -46,10 +46,13 @@ def _scalar() -> st.SearchStrategy[Any]:
         st.sampled_from(ODD_TEXT), st.text(max_size=40), st.booleans(), st.none())
 
 
-def _value() -> st.SearchStrategy[Any]:
+def _value(long: bool = True) -> st.SearchStrategy[Any]:
+    """An edge value of any JSON type; with ``long``, sometimes a long list (up to ~15 MB as JSON)."""
     small = st.recursive(_scalar(), lambda inner: st.one_of(
         st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(ODD_TEXT[:12]) | st.text(max_size=8), inner,
                                                      max_size=3)), max_leaves=8)
+    if not long:
+        return small
     long_lists = st.one_of(
         st.builds(lambda v, k: [v] * k, st.sampled_from(EDGE_INTS), st.sampled_from([100, 5000, 50_000])),
         st.builds(lambda v, k: [v] * k, st.sampled_from(ODD_TEXT), st.sampled_from([65, 1000])),
@@ -58,13 +61,17 @@ def _value() -> st.SearchStrategy[Any]:
 
 
 def _messages() -> st.SearchStrategy[Any]:
-    message = st.fixed_dictionaries(
-        {"role": st.sampled_from(["user", "assistant", "system"]) | st.sampled_from(ODD_TEXT)},
-        optional={"content": st.sampled_from(ODD_TEXT) | st.none() | st.just([{"type": "text", "text": "hi"}])
-                  | _value(),
-                  "tool_calls": _value(), "name": _value()})
-    return st.one_of(st.lists(message, min_size=1, max_size=4),
-                     st.builds(lambda m, k: [m] * k, message, st.sampled_from([200, 3000])))
+    def message(long: bool) -> st.SearchStrategy[Any]:
+        return st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system"]) | st.sampled_from(ODD_TEXT)},
+            optional={"content": st.sampled_from(ODD_TEXT) | st.none()
+                      | st.just([{"type": "text", "text": "hi"}]) | _value(long),
+                      "tool_calls": _value(long), "name": _value(long)})
+
+    # many messages, but not many long ones: 3,000 copies of a message holding 50,000-item lists
+    # would be gigabytes of JSON in this process before the server's 32 MiB limit could refuse it
+    return st.one_of(st.lists(message(True), min_size=1, max_size=4),
+                     st.builds(lambda m, k: [m] * k, message(False), st.sampled_from([200, 3000])))
 
 
 @st.composite

@@ -264,7 +264,7 @@ def test_a_short_request_behind_a_long_prompt_starts_in_the_next_step(model_dir)
     assert capped["long"] == uncapped["long"] and capped["short"] == uncapped["short"]
     assert capped_steps == uncapped_steps  # the long prompt lost nothing
     # left unsaid, the CPU backend's threshold applies
-    assert LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64).engine.config.long_prefill_token_threshold == 24
+    assert LLM(model=str(model_dir), device="cpu", max_model_len=128, num_kv_blocks=64).engine.config.long_prefill_token_threshold == 24
 
 
 @pytest.mark.parametrize("break_it", ["tokens", "forks"])

@@ -56,15 +56,15 @@ def test_fusing_mixed_quantized_parts_is_exact():
     """A layer mixing Q4_K, Q6_K and Q4_0 (as llama.cpp's _M files do) fuses into one weight in
     the widest form (wint8, the smallest group), standing for the same values."""
     parts = _mixed_parts(np.random.default_rng(0))
-    fused = concat_rows(parts, "q, k, v")
+    fused = concat_rows(parts)
     assert isinstance(fused, QuantizedWeight) and (fused.method, fused.group_size) == ("wint8", 16)
     np.testing.assert_array_equal(dequantize(fused), np.concatenate([dequantize(p) for p in parts]))
-    same = concat_rows(parts[:1] * 2, "gate, up")
+    same = concat_rows(parts[:1] * 2)
     assert (same.method, same.group_size) == ("wint4", 32)
 
 
 def test_tensor_parallel_parts_and_row_order_are_exact():
-    weight = concat_rows(_mixed_parts(np.random.default_rng(1)), "w")
+    weight = concat_rows(_mixed_parts(np.random.default_rng(1)))
     full = dequantize(weight)
     np.testing.assert_array_equal(dequantize(take(weight, 0, 2, 7, "w")), full[2:7])
     np.testing.assert_array_equal(dequantize(take(weight, 1, 128, 256, "w")), full[:, 128:256])

@@ -26,6 +26,7 @@ import pytest
 from fastapi.testclient import TestClient
 from fd_server.app import build_app
 from fd_server.errors import EngineDeadError
+from fd_server.limits import ServerLimits
 
 from fd_core.engine import core
 from fd_core.engine.config import EngineConfig
@@ -720,7 +721,7 @@ def test_disconnect_aborts_streaming_and_plain_requests():
 
 def test_max_concurrency_429():
     fake = FakeEngineClient(max_model_len=10_000, delay=0.01)
-    with live_server(fake, max_concurrency=2) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
+    with live_server(fake, limits=ServerLimits(max_concurrency=2)) as (url, app), httpx.Client(base_url=url, timeout=10) as http:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 5000, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as a, \
                 http.stream("POST", "/v1/completions", json=body) as b:
@@ -773,7 +774,6 @@ def test_unhealthy_engine_is_noticed_without_traffic():
 
 
 def test_request_timeout_aborts_and_answers_504():
-    from fd_server.limits import ServerLimits
 
     fake = FakeEngineClient(max_model_len=10_000, delay=0.01)
     with live_server(fake, limits=ServerLimits(request_timeout=0.5)) as (url, app), \
@@ -795,7 +795,6 @@ def test_request_timeout_aborts_and_answers_504():
 
 
 def test_a_silent_engine_is_stalled_not_dead():
-    from fd_server.limits import ServerLimits
 
     fake = FakeEngineClient()
     age = [0.0]
@@ -816,7 +815,6 @@ def test_a_silent_engine_is_stalled_not_dead():
 
 
 def test_chunked_body_over_the_limit_is_413_before_it_is_read():
-    from fd_server.limits import ServerLimits
 
     fake = FakeEngineClient()
     with live_server(fake, limits=ServerLimits(max_body_bytes=4096)) as (url, app):
@@ -841,7 +839,6 @@ def test_chunked_body_over_the_limit_is_413_before_it_is_read():
 
 
 def test_prompts_times_n_over_the_limit_is_400(http):
-    from fd_server.limits import ServerLimits
 
     with serve(limits=ServerLimits(max_sequences_per_request=8)) as http:
         error = assert_error(complete(http, prompt=["a", "b", "c"], n=3), 400, param="prompt")

@@ -161,9 +161,13 @@ def test_fd_backends_and_doctor_show_the_runtimes():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "device cpu (type cpu, runtime torch; also runs on paddle (--runtime))"
-    optional = [name for name, s in OP_SPECS.items() if s.optional]
+    optional = [name for name, s in OP_SPECS.items() if s.optional and name != "pack_linear"]
     assert lines[1] == "  for float32, any head size (--model applies one)"
-    assert len(lines) == 2 + len(OP_SPECS)
+    # every op once, and linear / pack_linear again for each quantization method torch serves
+    per_method = [f"{op}[{m}]" for m in ("wint4", "wint8") for op in ("linear", "pack_linear")]
+    names = [line.split()[0] for line in lines[2:]]
+    assert sorted(names) == sorted([op for op in OP_SPECS if op != "pack_linear"] + per_method)
+    assert all("torch-packed" in line for line in lines[2:] if line.split()[0] in per_method)
     assert all("for the torch runtime" in line for line in lines[2:] if line.split()[0] not in optional)
     assert all("optional, not provided" in line for line in lines[2:] if line.split()[0] in optional)
 

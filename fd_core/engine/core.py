@@ -352,17 +352,14 @@ class EngineCore:
         tokens plus the rows of the forks it seats within the budget, the running sequences
         plus those forks (and so the rows it samples) within max_num_seqs. The scheduler never
         builds such a step (``tests/test_scheduler_properties.py``); this catches a regression
-        before it costs a step of unbounded length, for a few additions per scheduled sequence
-        in the pass the prompt-token count makes anyway."""
-        tokens = forks = computed = 0
+        before it costs a step of unbounded length, for two sums over the scheduled sequences."""
+        computed = 0
         for s in out.scheduled:
-            seq, n = s.seq, s.num_new
-            tokens += n
-            forks += len(s.forks)
-            prompt = len(seq.prompt_token_ids)
-            if seq.num_computed < prompt:
-                computed += min(seq.num_computed + n, prompt) - seq.num_computed
+            prompt = len(s.seq.prompt_token_ids)
+            if s.seq.num_computed < prompt:
+                computed += min(s.seq.num_computed + s.num_new, prompt) - s.seq.num_computed
         self.stats["prompt_tokens_computed"] += computed
+        tokens, forks = out.num_tokens, out.num_forks
         c, running = self.config, len(self.scheduler.running)
         if (tokens + forks > c.max_num_batched_tokens or running + forks > c.max_num_seqs
                 or len(out.scheduled) > running):

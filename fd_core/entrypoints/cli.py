@@ -107,14 +107,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from fd_core.loader import load_checkpoint, resolve_model
 
         head_dim = load_checkpoint(resolve_model(args.model)).config.head_dim
-    table = registry.op_table(platform, op_context(args.dtype, head_dim), _pins(args.op))
+    # as an engine chooses: linear and pack_linear once more for each quantization method declared
+    table = registry.op_table(platform, op_context(args.dtype, head_dim), _pins(args.op),
+                              methods=platform.capabilities().quantization)
     others = [rt for rt in platform_runtimes(platform) if rt != platform.runtime]
     also = f"; also runs on {', '.join(others)} (--runtime)" if others else ""
     print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime}{also})")
     print(f"  for {args.dtype}, "
           + (f"head size {head_dim} ({args.model})" if head_dim else "any head size (--model applies one)"))
     for op, impl, source, why in table.describe():
-        print(f"  {op:<13} {impl:<20} {source:<16} {why}")
+        print(f"  {op:<18} {impl:<20} {source:<16} {why}")
     return 0
 
 

@@ -7,9 +7,8 @@ because ``transformers`` is the reference our outputs are compared against.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -67,7 +66,7 @@ class TextTokenizer:
             length = len(self.backend.normalizer.normalize_str(text))  # it may compose characters
         return length // self._max_token_chars
 
-    @functools.cached_property
+    @cached_property
     def _max_token_chars(self) -> int:
         return max(1, max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1))
 

@@ -113,6 +113,7 @@ class DecoderForCausalLM:
         self.embed: Tensor = None
         self.lm_head: Tensor = None
         self.norm: Tensor = None
+        self._dequantized: Counter[str] = Counter()  # quantized weights load_weights dequantized, by method
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -135,7 +136,7 @@ class DecoderForCausalLM:
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
-        self._dequantized: Counter[str] = Counter()
+        self._dequantized.clear()
         self._upload(host)
         for method, count in sorted(self._dequantized.items()):
             log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
@@ -164,7 +165,7 @@ class DecoderForCausalLM:
             return None if array is None else tp.part(array, axis=0, name=name)
 
         def fused(names: list[str]) -> HostWeight:
-            return concat_rows([column(n) for n in names], ", ".join(names))  # type: ignore[misc]
+            return concat_rows([column(n) for n in names])  # type: ignore[misc]
 
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."

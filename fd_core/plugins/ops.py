@@ -256,11 +256,6 @@ class OpTable:
         choice = self.per_method.get(weight.method, {}).get("pack_linear")
         return weight if choice is None else choice.impl.fn(weight)
 
-    def linear_choice(self, method: str | None) -> Choice | None:
-        if method is None:
-            return self.choices.get("linear")
-        return self.per_method.get(method, {}).get("linear")
-
     def has(self, op: str) -> bool:
         return op in self.choices
 

@@ -62,15 +62,15 @@ def _regroup(weight: QuantizedWeight, method: str, group: int) -> QuantizedWeigh
                            weight.shape, np.repeat(zeros, repeat, axis=1))
 
 
-def concat_rows(parts: list[HostWeight], name: str) -> HostWeight:
+def concat_rows(parts: list[HostWeight]) -> HostWeight:
     """Stack ``[out_i, in]`` weights into one (fused q/k/v, gate/up). Quantized parts of different
     kinds (a GGUF mixing Q4_K and Q6_K in one layer) meet in the widest of their forms, exactly;
     a mix of quantized and plain parts, or of fp8 and integers, is dequantized."""
-    if not any(isinstance(p, QuantizedWeight) for p in parts):
+    families = {"float" if not isinstance(p, QuantizedWeight) else "fp8" if p.method == "block_wise_fp8"
+                else "int" for p in parts}
+    if families == {"float"}:
         return np.concatenate(parts)
-    if not all(isinstance(p, QuantizedWeight) and p.method in ("wint8", "wint4") for p in parts) and not all(
-        isinstance(p, QuantizedWeight) and p.method == "block_wise_fp8" for p in parts
-    ):
+    if len(families) > 1:
         return np.concatenate([as_float(p) for p in parts])
     first = parts[0]
     if first.method == "block_wise_fp8":
@@ -89,11 +89,9 @@ def concat_rows(parts: list[HostWeight], name: str) -> HostWeight:
     if not same or len(has_zeros) > 1:
         parts = [_regroup(p, method, group) for p in parts]
     zeros = None if parts[0].zeros is None else np.concatenate([p.zeros for p in parts])
-    in_features = first.shape[1]
     return QuantizedWeight(method, np.concatenate([p.qweight for p in parts]),
-                           np.concatenate([p.scales for p in parts]),
-                           -1 if group == in_features and all(p.group_size == -1 for p in parts) else group,
-                           (sum(p.shape[0] for p in parts), in_features), zeros)
+                           np.concatenate([p.scales for p in parts]), parts[0].group_size,
+                           (sum(p.shape[0] for p in parts), first.shape[1]), zeros)
 
 
 def take(weight: HostWeight, axis: int, start: int, stop: int, name: str) -> HostWeight:

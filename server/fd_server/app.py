@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -165,15 +164,12 @@ def _exact_numbers(documented: Any, exact: Any) -> None:
 
 
 def build_app(client: Any, served_model_name: str, api_key: str | None = None,
-              max_concurrency: int | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``
-    (``max_concurrency``, when given, overrides the one in ``limits``).
+              limits: ServerLimits | None = None) -> FastAPI:
+    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``.
 
     ``app.state.monitor.dead`` is an ``asyncio.Event`` set when the engine dies; whoever runs
     the app (``fd_server.launch``) exits after the grace period."""
     limits = limits or ServerLimits()
-    if max_concurrency is not None:
-        limits = dataclasses.replace(limits, max_concurrency=max_concurrency)
     max_concurrency = limits.max_concurrency
     metrics = ServerMetrics(client, served_model_name)
     monitor = EngineMonitor(client, max_concurrency, on_finished=metrics.observe,

@@ -22,6 +22,7 @@ from fd_core.engine.sampling_params import (
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
 )
+from fd_core.errors import lone_surrogate
 
 # -- shared ----------------------------------------------------------------------------------
 
@@ -29,14 +30,10 @@ _REQUEST = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _lone_surrogate(value: Any) -> str | None:
-    """Where ``value`` (a string, or lists and dicts of them) holds a lone surrogate, which JSON's
-    ``"\ud800"`` decodes to and which neither the tokenizer nor UTF-8 can take; None if nowhere."""
+    """Where ``value`` (a string, or lists and dicts of them, keys included) holds a lone
+    surrogate (``fd_core.errors.lone_surrogate``); None if nowhere."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return f"U+{ord(value[exc.start]):04X} at character {exc.start}"
-        return None
+        return lone_surrogate(value)
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         found = _lone_surrogate(key) or _lone_surrogate(item)

@@ -121,6 +121,9 @@ def _quantized_methods(quantization: str | None = None, **_: object) -> bool:
     return quantization in TORCH_QUANTIZATION
 
 
+_quantized_methods.why = lambda **_: "it serves wint8 and wint4 weights only"  # type: ignore[attr-defined]
+
+
 def _torch_quantized(name: str):
     """``torch_quantized.<name>``, imported at its first call (registration imports no torch)."""
     fn = None

@@ -25,15 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from fd_core.interfaces import QuantizedWeight
+from fd_core.runtimes.torch.ops import dequantize
+from fd_core.runtimes.torch.ops import linear as reference_linear
 
 INT4_GROUPS = (32, 64, 128, 256)
 _BF16 = torch.bfloat16
-
-
-def _canonical_dense(weight: QuantizedWeight) -> torch.Tensor:
-    from fd_core.runtimes.torch.ops import dequantize
-
-    return dequantize(weight, _BF16).contiguous()
 
 
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
@@ -50,8 +46,8 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
         zeros = None if weight.zeros is None else weight.zeros.reshape(-1).to(_BF16)
         return QuantizedWeight("wint8", weight.qweight.contiguous(), weight.scales.reshape(-1).to(_BF16).contiguous(),
                                -1, weight.shape, zeros, "cpu_int8pack")
-    return QuantizedWeight(weight.method, _canonical_dense(weight), weight.scales, weight.group_size, weight.shape,
-                           None, "cpu_bf16")
+    dense = dequantize(weight, _BF16).contiguous()
+    return QuantizedWeight(weight.method, dense, weight.scales, weight.group_size, weight.shape, None, "cpu_bf16")
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,9 +60,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
             y = y + h.sum(-1, keepdim=True) * weight.zeros
     elif weight.layout == "cpu_bf16":
         y = F.linear(h, weight.qweight)
-    else:
-        from fd_core.runtimes.torch.ops import linear as reference
-
-        return reference(x, weight, bias)
+    else:  # the canonical form (no pack_linear ran)
+        return reference_linear(x, weight, bias)
     y = y.to(x.dtype)
     return y if bias is None else y + bias.to(x.dtype)
