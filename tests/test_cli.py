@@ -33,7 +33,14 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
 
 
 @pytest.mark.parametrize("flag, message", [
-    (["--quantization", "wint8"], "--quantization wint8: the cpu backend supports none"),
+    (["--quantization", "wint8"],
+     "--quantization wint8: the cpu backend declares no quantization method (with --runtime torch it serves wint8)"),
+    (["--quantization", "fp8", "--runtime", "torch"],
+     "--quantization block_wise_fp8: the cpu backend declares wint4, wint8"),
+    (["--quantization", "wint3"], "--quantization wint3: fd quantizes weights with wint8, wint4, block_wise_fp8, "
+                                  "fp8 (= block_wise_fp8)"),
+    (["--quantization", "wint4", "--quantization-group-size", "0"], "--quantization-group-size 0: give the input"),
+    (["--quantization-group-size", "64"], "--quantization-group-size sets the groups of --quantization"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the cpu backend"),
     (["--tensor-parallel-size", "100000"], "--tensor-parallel-size 100000: the cpu backend"),
     (["--dtype", "bfloat16"], "--dtype bfloat16: the cpu backend"),

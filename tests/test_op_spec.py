@@ -17,13 +17,13 @@ from fd_core.interfaces.ops import (
     QuantizedWeight,
     SamplingBatch,
 )
+from fd_core.quantization.quantize import quantize  # noqa: E402
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.paddle import REFERENCE_OPS
 from fd_core.runtimes.paddle import ops as pd_ops
 from fd_core.testing import spec
 from fd_core.testing.batches import make_sampling_batch
 from fd_core.testing.opcases import attention_step as build_step  # noqa: E402
-from fd_core.testing.opcases import quantize  # noqa: E402
 from fd_core.testing.spec import TOLERANCES
 
 
@@ -203,6 +203,14 @@ def test_linear_quantized(method, group_size, n):
     # And it stands for w, up to the rounding of quantization.
     step = np.repeat(qw.scales, group, axis=1)
     assert np.all(np.abs(spec.dequantize(qw) - w) <= step / 2 + 1e-6)
+
+
+def test_linear_fp8_blocks():
+    """block_wise_fp8 weights reach the Paddle reference as uint8 bits, partial blocks at both edges."""
+    rng = np.random.default_rng(8)
+    x, w, bias = randn(rng, 9, 320), randn(rng, 200, 320), randn(rng, 200)
+    qw = quantize(w, "block_wise_fp8", 128)
+    close("linear", REFERENCE_OPS["linear"](pd(x), pd_quantized(qw), pd(bias)), spec.linear(x, qw, bias))
 
 
 # --- attention ---------------------------------------------------------------------------------

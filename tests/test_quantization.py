@@ -114,3 +114,79 @@ def test_torch_packed_linear_matches_the_spec(method, group, zeros, layout, rows
     assert got.dtype == torch.float32
     np.testing.assert_allclose(got.numpy(), spec.linear(x, weight, bias),
                                **spec.tolerance("linear", "float32", method))
+
+
+# -- quantizing at load (--quantization) ----------------------------------------------------------
+
+
+def test_e4m3_rounding_is_torchs():
+    """The NumPy float8 e4m3fn rounding gives the bits torch's cast gives: ties to even, the
+    subnormals, saturation at 448, signs."""
+    torch = pytest.importorskip("torch")
+    from fd_core.quantization.quantize import e4m3_bits
+
+    rng = np.random.default_rng(0)
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    finite = every[np.isfinite(every)]
+    middles = (np.sort(finite)[1:] + np.sort(finite)[:-1]) / 2  # exact ties
+    x = np.concatenate([finite, middles, np.nextafter(middles, np.inf), np.nextafter(middles, -np.inf),
+                        rng.standard_normal(20000) * 30, rng.standard_normal(20000) * 0.01,
+                        [500.0, -1e9, 448.0, 464.0, 2.0**-10, -(2.0**-10)]]).astype(np.float32)
+    x = x[np.abs(x) <= 448]  # beyond 448 torch gives NaN; the quantizer's scales never go there
+    want = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    got = e4m3_bits(x)
+    values = torch.from_numpy(got).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(values, torch.from_numpy(want).view(torch.float8_e4m3fn).float().numpy())
+    assert e4m3_bits(np.array([500.0, -1e9], np.float32)).tolist() == [0x7E, 0xFE]  # saturated
+
+
+@pytest.mark.parametrize("method, group", [("wint8", -1), ("wint4", 128), ("wint4", 32), ("block_wise_fp8", 128)])
+def test_quantizing_rounds_to_the_nearest_level(method, group):
+    from fd_core.quantization.quantize import quantize
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((200, 384)) * 0.05).astype(np.float32)
+    w[7] = 0  # an all-zero row: scale 0 must not give NaN
+    q = quantize(w, method, group)
+    back = dequantize(q)
+    assert np.isfinite(back).all() and not back[7].any()
+    if method == "block_wise_fp8":
+        assert q.qweight.dtype == np.uint8 and q.scales.shape == (2, 3)
+        # e4m3 keeps 3 mantissa bits: half a step is 2**-4 of the value (subnormals: of the block's max)
+        bound = np.maximum(np.abs(w) * 2**-4, np.repeat(np.repeat(q.scales, 128, 0), 128, 1)[:200, :384] * 2**-10)
+    else:
+        step = np.repeat(q.scales, q.shape[1] if group == -1 else group, axis=1)
+        bound = step / 2
+        assert q.qweight.dtype == np.int8 and np.abs(q.qweight).max() <= (127 if method == "wint8" else 8)
+    assert (np.abs(back - w) <= bound * (1 + 1e-6) + 1e-12).all()
+
+
+def test_load_time_quantization_keeps_the_float_models_logits(tmp_path):
+    """A tiny Llama quantized at load (torch runtime, packed kernels) gives the float load's
+    logits within each method's error, its linears packed, the embedding and head in float32;
+    a group size that does not divide a layer's input features is refused naming the layer."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from fd_core import LLM
+    from tests import checkpoints
+    from tests.oracle import fd_greedy_logits
+
+    model = str(checkpoints.make_llama(tmp_path))
+    args = dict(model=model, device="cpu", runtime="torch", max_model_len=64, num_kv_blocks=32)
+    prompt = list(range(3, 40))
+    tokens, want = fd_greedy_logits(LLM(**args), prompt, 4)
+    for method, group, layout, tolerance in [("wint8", None, "cpu_int8pack", 0.03),
+                                             ("wint4", 32, "cpu_int4pack", 0.25)]:
+        llm = LLM(quantization=method, quantization_group_size=group, **args)
+        runner = llm.engine.runner
+        layer = runner.model.layers[0]
+        assert (layer.qkv.layout, layer.gate_up.layout, layer.down.layout) == (layout,) * 3
+        assert not isinstance(runner.model.lm_head, QuantizedWeight)
+        got_tokens, got = fd_greedy_logits(llm, prompt, 4)
+        # teacher-forced on the float model's tokens where they agree; logits are O(1) here
+        same = next((i for i, (a, b) in enumerate(zip(tokens, got_tokens)) if a != b), len(tokens))
+        error = np.abs(got[: same + 1] - want[: same + 1]).max() / np.abs(want).max()
+        assert error < tolerance, f"{method}: relative logit error {error:.3f}"
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: its 64 input "
+                                              r"features do not divide into wint4 groups of 128"):
+        LLM(quantization="wint4", **args)  # the default group of 128 > the tiny model's 64

@@ -21,6 +21,7 @@ from fd_core.interfaces.ops import (  # noqa: E402
     QuantizedWeight,
     SamplingBatch,
 )
+from fd_core.quantization.quantize import quantize  # noqa: E402
 from fd_core.runtimes import host_plan  # noqa: E402
 from fd_core.runtimes.torch import REFERENCE_OPS, TorchMemory  # noqa: E402
 from fd_core.runtimes.torch import memory as th_memory  # noqa: E402
@@ -28,7 +29,6 @@ from fd_core.runtimes.torch import ops as th_ops  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 from fd_core.testing.batches import make_sampling_batch
 from fd_core.testing.opcases import attention_step as build_step  # noqa: E402
-from fd_core.testing.opcases import quantize  # noqa: E402
 from fd_core.testing.spec import TOLERANCES  # noqa: E402
 
 
@@ -185,6 +185,16 @@ def test_linear_quantized(method, group_size, n):
     rng = np.random.default_rng(n + group_size)
     x, w, bias = randn(rng, n, 128), randn(rng, 48, 128), randn(rng, 48)
     qw = quantize(w, method, group_size)
+    close("linear", REFERENCE_OPS["linear"](th(x), th_quantized(qw), th(bias)), spec.linear(x, qw, bias))
+    close("linear", th_ops.dequantize(th_quantized(qw)), spec.dequantize(qw))
+
+
+@pytest.mark.parametrize("n", [1, 37])
+def test_linear_fp8_blocks(n):
+    """block_wise_fp8 weights reach the reference as uint8 bits, partial blocks at both edges."""
+    rng = np.random.default_rng(n)
+    x, w, bias = randn(rng, n, 320), randn(rng, 200, 320), randn(rng, 200)
+    qw = quantize(w, "block_wise_fp8", 128)
     close("linear", REFERENCE_OPS["linear"](th(x), th_quantized(qw), th(bias)), spec.linear(x, qw, bias))
     close("linear", th_ops.dequantize(th_quantized(qw)), spec.dequantize(qw))
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
+from fd_core.quantization.quantize import check_group_size, method_name
 
 GiB = 1 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
@@ -54,7 +55,8 @@ class EngineConfig:
     seed: int = 0
     op_pins: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
-    quantization: str | None = None
+    quantization: str | None = None  # wint8, wint4, block_wise_fp8 (fp8): decoder linears quantized at load
+    quantization_group_size: int | None = None  # None: the method's default (wint4: 128)
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
     # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
     async_scheduling: bool | None = None
@@ -86,13 +88,24 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ConfigError("--async-scheduling works with --tensor-parallel-size 1 only (the other ranks "
                               "would need the sampled tokens on their devices)")
+        if self.quantization is not None:
+            try:
+                self.quantization = method_name(self.quantization)
+                self.quantization_group_size = check_group_size(self.quantization, self.quantization_group_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        elif self.quantization_group_size is not None:
+            raise ConfigError("--quantization-group-size sets the groups of --quantization wint8/wint4; "
+                              "give --quantization too")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-    def check_against(self, backend: str, caps: Capabilities) -> None:
+    def check_against(self, backend: str, caps: Capabilities,
+                      other_runtimes: dict[str, Capabilities] | None = None) -> None:
         """Check the config against the backend's manifest — failing with one sentence naming
         the flag and the backend, before anything loads — and fill in the feature defaults
-        that depend on it."""
+        that depend on it. ``other_runtimes``: the manifests of the backend's other runtimes
+        (``--runtime``), named where one of them would serve what this one cannot."""
         if self.dtype not in caps.dtypes:
             raise ConfigError(f"--dtype {self.dtype}: the {backend} backend supports {sorted(caps.dtypes)}")
         if self.dtype not in caps.kv_cache_dtypes:  # the KV cache is kept in the model's dtype
@@ -108,13 +121,11 @@ class EngineConfig:
                 f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend has no "
                 f"collective library"
             )
-        if self.quantization is not None:
-            have = ", ".join(sorted(caps.quantization)) or "none"
-            if self.quantization not in caps.quantization:
-                raise ConfigError(f"--quantization {self.quantization}: the {backend} backend supports {have}")
-            # the linear op takes QuantizedWeight, but no loader produces one yet
-            raise ConfigError(f"--quantization {self.quantization}: fd does not quantize weights at load yet "
-                              f"(the {backend} backend's linear op supports {have})")
+        if self.quantization is not None and self.quantization not in caps.quantization:
+            have = ", ".join(sorted(caps.quantization)) or "no quantization method"
+            serve = [name for name, c in (other_runtimes or {}).items() if self.quantization in c.quantization]
+            hint = f" (with --runtime {serve[0]} it serves {self.quantization})" if serve else ""
+            raise ConfigError(f"--quantization {self.quantization}: the {backend} backend declares {have}{hint}")
         if self.gpu_memory_utilization is not None and not caps.memory_profiling:
             raise ConfigError(
                 f"--gpu-memory-utilization: the {backend} backend does not size the KV cache from "

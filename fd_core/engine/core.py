@@ -112,7 +112,9 @@ def select_platform(config: EngineConfig, platform: Platform | None = None, regi
     # --runtime: the platform bound to the tensor library it runs on (None: its default)
     platform = (bind_runtime(platform, config.runtime) if platform is not None
                 else registry.platform(config.device, config.runtime))
-    config.check_against(platform.name, platform.capabilities())
+    others = {name: platform.with_runtime(name).capabilities()
+              for name in getattr(platform, "runtimes", ()) if name != getattr(platform, "runtime", None)}
+    config.check_against(platform.name, platform.capabilities(), others)
     return platform
 
 

@@ -9,6 +9,7 @@ from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
 from fd_core.interfaces import Communicator, Platform, RunnerLimits
 from fd_core.plugins.ops import op_context
+from fd_core.quantization.quantize import LoadQuantization, check_group_size
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
@@ -27,7 +28,13 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
                             pins=config.op_pins, methods=platform.capabilities().quantization)
     tp = TensorParallel(rank, world_size, comm)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
-    model.load_weights(checkpoint.weights())
+    quantize = None
+    if config.quantization is not None:
+        quantize = LoadQuantization(config.quantization,
+                                    check_group_size(config.quantization, config.quantization_group_size))
+    model.load_weights(checkpoint.weights(), quantize)
+    if quantize is not None:
+        quantize.report()
     limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
                           config.block_size)
     return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks(), limits,

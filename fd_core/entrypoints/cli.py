@@ -158,7 +158,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in GiB (default: profiled where the backend can, else 2)")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact KV-cache size in blocks")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    p.add_argument("--quantization", default=None)
+    p.add_argument("--quantization", default=None,
+                   help="quantize the decoder's linear weights at load: wint8 (int8, a scale per output "
+                        "channel), wint4 (int4, group-wise scales), block_wise_fp8 or fp8 (FP8 e4m3, "
+                        "128x128 blocks); the backend must declare the method (see fd backends)")
+    p.add_argument("--quantization-group-size", type=int, default=None, metavar="N",
+                   help="input columns per scale for wint8/wint4 (default: 128 for wint4, -1 = per "
+                        "output channel for wint8)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -185,6 +191,7 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),

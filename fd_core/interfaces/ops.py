@@ -40,7 +40,9 @@ class QuantizedWeight:
     - ``"wint8"``: ``qweight`` int8; ``scales`` float32 ``[out, in // group_size]``
       (``group_size == -1``: one group spanning ``in``; otherwise ``in`` is a multiple of it).
     - ``"wint4"``: values in ``[-8, 7]``, stored one per int8; scales as for wint8.
-    - ``"block_wise_fp8"``: ``qweight`` float8 e4m3fn (on the host: uint8 holding its bits);
+    - ``"block_wise_fp8"``: ``qweight`` the float8 e4m3fn bit patterns as uint8 (NumPy and some
+      runtimes have no float8 type; a runtime that has one views the bytes as it) or, after a
+      backend's ``pack_linear``, whatever its layout says;
       ``scales`` float32 ``[ceil(out / 128), ceil(in / 128)]``, one per 128 x 128 block
       (``group_size`` is 128).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -117,12 +117,15 @@ class DecoderForCausalLM:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, HostWeight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, HostWeight]],
+                     quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> None:
         """Consume ``(hf_name, [out, in] weight)`` pairs, check them, fuse and upload them.
 
-        A quantized weight (``QuantizedWeight``) stays quantized where the op table has a
-        ``linear`` for its method (the backend declares it) and is dequantized here otherwise,
-        with one log line per method."""
+        ``quantize`` (``--quantization``, a ``LoadQuantization``) is applied to each decoder
+        linear as it arrives, so only one float matrix is held at a time; the embedding, the
+        LM head and the norms stay in the model's dtype. A quantized weight (``QuantizedWeight``)
+        stays quantized where the op table has a ``linear`` for its method (the backend declares
+        it) and is dequantized here otherwise, with one log line per method."""
         expected = self.traits.weight_shapes(self.config)
         host: dict[str, HostWeight] = {}
         for name, array in weights:
@@ -131,6 +134,8 @@ class DecoderForCausalLM:
                 continue  # e.g. rotary_emb.inv_freq buffers: derived, not loaded
             if tuple(array.shape) != want:
                 raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
+            if quantize is not None and name.endswith("_proj.weight"):  # the decoder's linears
+                array = quantize(name, array)
             host[name] = array
         missing = [n for n in expected if n not in host]
         if missing:
@@ -139,8 +144,12 @@ class DecoderForCausalLM:
         self._dequantized.clear()
         self._upload(host)
         for method, count in sorted(self._dequantized.items()):
-            log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
-                     count, method, self.dtype, self.ops.device_type, method)
+            if method.endswith("(unfusable)"):
+                log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks "
+                         "of the fused q/k/v or gate/up matrix", count, method.split()[0], self.dtype)
+            else:
+                log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
+                         count, method, self.dtype, self.ops.device_type, method)
 
     def _upload(self, host: dict[str, HostWeight]) -> None:
         up, tp = self._to_device, self.tp
@@ -165,7 +174,13 @@ class DecoderForCausalLM:
             return None if array is None else tp.part(array, axis=0, name=name)
 
         def fused(names: list[str]) -> HostWeight:
-            return concat_rows([column(n) for n in names])  # type: ignore[misc]
+            parts = [column(n) for n in names]
+            out = concat_rows(parts)  # type: ignore[arg-type]
+            if not isinstance(out, QuantizedWeight):
+                for part in parts:  # e.g. fp8 parts whose rows do not fill 128-row blocks
+                    if isinstance(part, QuantizedWeight):
+                        self._dequantized[f"{part.method} (unfusable)"] += 1
+            return out
 
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."

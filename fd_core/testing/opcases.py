@@ -24,6 +24,7 @@ from fd_core.interfaces import (
     SampleOutput,
 )
 from fd_core.plugins.ops import op_context
+from fd_core.quantization.quantize import quantize
 from fd_core.testing import spec
 from fd_core.testing.batches import make_sampling_batch
 
@@ -147,26 +148,6 @@ def _rotary(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     want_q, want_k = spec.rotary(pos, qh, kh, th, style)
     compare(case, impl, "q", dev.get(out[0]), want_q)
     compare(case, impl, "k", dev.get(out[1]), want_k)
-
-
-def quantize(weight: np.ndarray, method: str, group_size: int, zeros: bool = False) -> QuantizedWeight:
-    """Weight-only quantization as the contract's QuantizedWeight defines it (host arrays):
-    symmetric, or with ``zeros`` asymmetric (each group's range mapped onto all the levels, as
-    GGUF's Q4_1 does)."""
-    out_features, in_features = weight.shape
-    group = in_features if group_size == -1 else group_size
-    top = 127 if method == "wint8" else 7
-    blocks = weight.reshape(out_features, in_features // group, group)
-    if zeros:
-        low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-        scales = (high - low) / (2 * top + 1)
-        zero = low + (top + 1) * scales  # the value of level 0
-        q = np.clip(np.round((blocks - zero[..., None]) / scales[..., None]), -top - 1, top).astype(np.int8)
-        return QuantizedWeight(method, q.reshape(weight.shape), scales.astype(np.float32), group_size,
-                               weight.shape, zero.astype(np.float32))
-    scales = np.abs(blocks).max(axis=-1) / top
-    q = np.clip(np.round(blocks / scales[..., None]), -top - 1, top).astype(np.int8)
-    return QuantizedWeight(method, q.reshape(weight.shape), scales.astype(np.float32), group_size, weight.shape)
 
 
 def _quantized_on(dev: Device, qw: QuantizedWeight) -> QuantizedWeight:
@@ -326,6 +307,17 @@ ATTENTION_STEPS = {
 }
 
 
+# method -> (rows, in, out, group size, zeros): each group form a loader makes (per channel; the
+# wint4 default of 128; GGUF's 32 with minimums), one row to a 512-token prefill
+QUANTIZED_LINEAR = {
+    "wint8": [(1, 256, 64, -1, False), (5, 128, 48, 64, False), (5, 128, 48, 32, True), (512, 256, 64, -1, False)],
+    "wint4": [(1, 256, 64, 128, False), (5, 128, 48, -1, False), (5, 128, 48, 32, True),
+              (512, 256, 64, 128, False)],
+    # 200 x 320: partial 128 x 128 blocks at both edges
+    "block_wise_fp8": [(1, 320, 200, 128, False), (37, 320, 200, 128, False), (512, 256, 128, 128, False)],
+}
+
+
 def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCase]:
     """Every case the backend's manifest calls for: each op in every declared dtype; linear in
     every declared quantization method; attention on queries after a cached context only where
@@ -350,11 +342,11 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
         for n, fin, fout, bias in [(1, 64, 32, False), (9, 128, 96, True), (33, 576, 192, False)]:
             add("linear", f"x[{n}, {fin}] weight[{fout}, {fin}]" + (" + bias" if bias else ""),
                 params=dict(n=n, **{"in": fin, "out": fout}, bias=bias))
-        for method in sorted(capabilities.quantization & {"wint8", "wint4"}):
-            for group, zeros in ((-1, False), (64, False), (32, True)):
-                add("linear", f"x[5, 128] {method} weight[48, 128] group {group}" + (" + zeros" if zeros else "")
-                    + " + bias", quantization=method,
-                    params=dict(n=5, **{"in": 128, "out": 48}, bias=True, group_size=group, zeros=zeros))
+        for method in sorted(capabilities.quantization):
+            for n, fin, fout, group, zeros in QUANTIZED_LINEAR[method]:
+                add("linear", f"x[{n}, {fin}] {method} weight[{fout}, {fin}] group {group}"
+                    + (" + zeros" if zeros else "") + " + bias", quantization=method,
+                    params=dict(n=n, **{"in": fin, "out": fout}, bias=True, group_size=group, zeros=zeros))
         for n, inter in [(1, 8), (5, 64), (33, 1536)]:
             add("silu_and_mul", f"x[{n}, {2 * inter}]", params=dict(n=n, inter=inter))
         if dtype in capabilities.kv_cache_dtypes:

@@ -111,7 +111,10 @@ def dequantize(weight: QuantizedWeight, dtype: paddle.dtype = _F32) -> Tensor:
     """The ``[out, in]`` matrix a QuantizedWeight (canonical layout) stands for, in ``dtype``."""
     if weight.layout:
         raise ValueError(f"the reference reads only the canonical layout, not {weight.layout!r}")
-    q = _f32(weight.qweight)
+    q = weight.qweight
+    if weight.method == "block_wise_fp8" and q.dtype == paddle.uint8:  # the e4m3fn bits
+        q = q.view(paddle.float8_e4m3fn)
+    q = _f32(q)
     scales = _f32(weight.scales)
     out_features, in_features = q.shape
     if weight.method == "block_wise_fp8":

@@ -124,7 +124,10 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = _F32) -> Tensor:
     """The ``[out, in]`` matrix a QuantizedWeight (canonical layout) stands for, in ``dtype``."""
     if weight.layout:
         raise ValueError(f"the reference reads only the canonical layout, not {weight.layout!r}")
-    q = _f32(weight.qweight)
+    q = weight.qweight
+    if weight.method == "block_wise_fp8" and q.dtype == torch.uint8:  # the e4m3fn bits
+        q = q.view(torch.float8_e4m3fn)
+    q = _f32(q)
     scales = _f32(weight.scales)
     out_features, in_features = q.shape
     if weight.method == "block_wise_fp8":
