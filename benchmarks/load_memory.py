@@ -27,25 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def weight_bytes(model) -> int:
-    from fd_core.interfaces import QuantizedWeight
-
-    seen: set[int] = set()
-
-    def size(t) -> int:
-        if t is None or id(t) in seen:
-            return 0
-        seen.add(id(t))
-        if isinstance(t, QuantizedWeight):
-            return size(t.qweight) + size(t.scales) + size(t.zeros)
-        return t.numel() * t.element_size()
-
-    total = size(model.embed) + size(model.lm_head) + size(model.norm)
-    for layer in model.layers:
-        total += sum(size(v) for v in vars(layer).values())
-    return total
-
-
 def status_bytes(field: str) -> int:
     """A /proc/self/status figure. VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and
     exec, so a child would start at its parent's peak."""
@@ -58,6 +39,7 @@ def status_bytes(field: str) -> int:
 
 def child(model: str, method: str) -> None:
     from fd_core import LLM
+    from fd_core.bench.weights import weight_bytes
 
     before = status_bytes("VmRSS")
     peak_anon, done = [0], threading.Event()

@@ -190,3 +190,89 @@ def test_load_time_quantization_keeps_the_float_models_logits(tmp_path):
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: its 64 input "
                                               r"features do not divide into wint4 groups of 128"):
         LLM(quantization="wint4", **args)  # the default group of 128 > the tiny model's 64
+
+
+# -- Hugging Face FP8 checkpoints ----------------------------------------------------------------------
+
+
+def _fp8_copy(source, folder, per_tensor: bool = False):
+    """``source`` (a float HF folder) with every decoder linear stored as an FP8 checkpoint stores
+    it, and the same model with those linears at their FP8 values in float32 (the oracle's)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fd_core.quantization.quantize import quantize
+
+    fp8, plain = folder / "fp8", folder / "plain"
+    for out in (fp8, plain):
+        shutil.copytree(source, out)
+        (out / "model.safetensors").unlink()
+    tensors = load_file(str(source / "model.safetensors"))
+    stored, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("_proj.weight"):
+            w = t.float().numpy()
+            if per_tensor:
+                scale = np.abs(w).max() / 448.0
+                q = quantize(w / scale, "block_wise_fp8", 128)  # only its bits are kept
+                bits, scales = q.qweight, np.full_like(q.scales, scale)
+                stored[name[: -len(".weight")] + ".weight_scale"] = torch.tensor([scale], dtype=torch.float32)
+            else:
+                q = quantize(w, "block_wise_fp8", 128)
+                bits, scales = q.qweight, q.scales
+                stored[name[: -len(".weight")] + ".weight_scale_inv"] = torch.from_numpy(scales)
+            stored[name] = torch.from_numpy(bits).view(torch.float8_e4m3fn)
+            dequantized[name] = torch.from_numpy(dequantize(QuantizedWeight("block_wise_fp8", bits, scales, 128,
+                                                                            w.shape)))
+        else:
+            stored[name] = dequantized[name] = t
+    save_file(stored, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = ({"quant_method": "fp8", "activation_scheme": "dynamic"} if per_tensor else
+                                     {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]})
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, plain
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["block-scales", "per-tensor-scale"])
+def test_hf_fp8_checkpoint_loads_as_block_wise_fp8(tmp_path, per_tensor):
+    """An FP8 checkpoint (F8_E4M3 weights with weight_scale_inv or weight_scale) is read as
+    block_wise_fp8 weights, and its logits are transformers' on the same values in float32
+    (the CPU declares no fp8: the weights are dequantized at load)."""
+    pytest.importorskip("transformers")
+    from fd_core import LLM
+    from fd_core.loader import load_checkpoint
+    from tests import checkpoints
+    from tests.oracle import fd_greedy_logits, hf_logits, relative_error
+
+    fp8, plain = _fp8_copy(checkpoints.make_llama(tmp_path / "src", intermediate_size=200), tmp_path,
+                           per_tensor)
+    weight = dict(load_checkpoint(fp8).weights())["model.layers.1.mlp.down_proj.weight"]
+    assert isinstance(weight, QuantizedWeight) and weight.method == "block_wise_fp8"
+    assert weight.qweight.dtype == np.uint8 and weight.scales.shape == (1, 2)  # 64 x 200: partial blocks
+    llm = LLM(model=str(fp8), block_size=4, num_kv_blocks=64, max_model_len=128)
+    prompt = list(range(5, 16))
+    tokens, ours = fd_greedy_logits(llm, prompt, 4)
+    theirs = hf_logits(plain, prompt + tokens[:-1])[len(prompt) - 1:]
+    assert max(relative_error(a, b) for a, b in zip(ours, theirs)) <= 1e-4
+
+
+def test_other_checkpoint_quantization_is_refused_by_name(tmp_path):
+    import json
+
+    from fd_core.loader import load_checkpoint
+    from tests import checkpoints
+
+    folder = checkpoints.make_llama(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    for qc, message in [({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not one fd reads"),
+                        ({"quant_method": "fp8", "weight_block_size": [1, 128]}, "FP8 weight_block_size \\[1, 128\\]")]:
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(folder)

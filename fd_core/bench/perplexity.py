@@ -20,8 +20,9 @@ import numpy as np
 from fd_core.engine.model_runner import prefill_batch, prepare_inputs
 
 
-def token_logprobs(llm: Any, token_ids: list[int]) -> np.ndarray:
-    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every ``i``, from one prefill."""
+def prompt_logits(llm: Any, token_ids: list[int]) -> np.ndarray:
+    """The logits after every token of ``token_ids`` (``[len - 1, vocab]``, the last token's
+    left out), from one prefill on the engine's model."""
     engine = llm.engine
     if engine.config.tensor_parallel_size > 1:
         raise ValueError("perplexity runs on one rank: use tensor_parallel_size 1")
@@ -33,7 +34,12 @@ def token_logprobs(llm: Any, token_ids: list[int]) -> np.ndarray:
                          f"{engine.pool.num_blocks}: use a smaller window")
     inputs, _ = prepare_inputs(scheduled, runner.block_size)
     inputs.logit_rows = np.arange(len(token_ids) - 1, dtype=np.int64)
-    logits = engine.memory.to_numpy(runner.run(inputs, eager=True)).astype(np.float64)
+    return engine.memory.to_numpy(runner.run(inputs, eager=True))
+
+
+def token_logprobs(llm: Any, token_ids: list[int]) -> np.ndarray:
+    """``log p(token_ids[i + 1] | token_ids[: i + 1])`` for every ``i``, from one prefill."""
+    logits = prompt_logits(llm, token_ids).astype(np.float64)
     top = logits.max(axis=-1, keepdims=True)
     log_norm = top[:, 0] + np.log(np.exp(logits - top).sum(axis=-1))
     targets = np.asarray(token_ids[1:])

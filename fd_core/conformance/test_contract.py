@@ -13,6 +13,7 @@ from fd_core.errors import ConfigError
 from fd_core.interfaces import (
     API_VERSION,
     OP_SPECS,
+    QUANTIZATION_METHODS,
     Capabilities,
     Platform,
     is_compatible,
@@ -23,7 +24,7 @@ from fd_core.plugins.registry import platform_runtimes, runtime_installed
 # What the contract's words mean today; a manifest naming anything else is a typo or a promise
 # no engine code keeps.
 KNOWN_DTYPES = {"float32", "float16", "bfloat16"}
-KNOWN_QUANTIZATION = {"wint8", "wint4", "fp8"}
+KNOWN_QUANTIZATION = set(QUANTIZATION_METHODS)
 
 
 def _platform(fd_backend):

@@ -14,7 +14,7 @@ class Capabilities:
     """
 
     dtypes: frozenset[str] = frozenset({"float32"})
-    quantization: frozenset[str] = frozenset()  # e.g. {"wint8", "wint4", "fp8"}
+    quantization: frozenset[str] = frozenset()  # members of QUANTIZATION_METHODS: wint8, wint4, block_wise_fp8
     kv_cache_dtypes: frozenset[str] = frozenset({"float32"})
     graph_capture: bool = False
     # the attention op reads a cached prefix for a query that starts at a block boundary

@@ -11,6 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from fd_core.errors import CheckpointError
+from fd_core.loader import fp8_checkpoint
 from fd_core.loader.checkpoint import Checkpoint, canonical_architecture, select_weights
 from fd_core.loader.safetensors_io import SafetensorsSet
 from fd_core.loader.tokenizer import (
@@ -328,5 +329,9 @@ def load_hf(folder: Path) -> Checkpoint:
     tensors = src.tensors
     found = {name: tensors.shape(name) for name in tensors.names()}
     names = select_weights(config, found, src.folder)
-    readers = {name: (lambda name=name: tensors.read(name)) for name in names}
+    if fp8_checkpoint.quantization_method(src.config_json, src.folder):
+        readers = {name: fp8_checkpoint.fp8_reader(tensors, name, found[name], src.folder) if len(found[name]) == 2
+                   else (lambda name=name: tensors.read(name)) for name in names}
+    else:
+        readers = {name: (lambda name=name: tensors.read(name)) for name in names}
     return Checkpoint(path=src.folder, format="hf", config=config, tokenizer=src.tokenizer, readers=readers)

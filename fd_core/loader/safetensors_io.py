@@ -26,6 +26,7 @@ _DTYPES = {
     "I16": np.int16,
     "I8": np.int8,
     "U8": np.uint8,
+    "F8_E4M3": np.uint8,  # FP8 checkpoints: the bit patterns (NumPy has no float8)
     "BOOL": np.bool_,
 }
 
@@ -122,6 +123,9 @@ class SafetensorsSet:
 
     def read(self, name: str) -> np.ndarray:
         return self.owner[name].read(name)
+
+    def dtype_tag(self, name: str) -> str:
+        return self.owner[name].dtype_tag(name)
 
     def stored_dtype(self) -> str:
         """The float dtype most of the weights were saved in (by element count)."""

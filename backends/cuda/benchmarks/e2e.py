@@ -140,6 +140,20 @@ def profiled(enabled: bool, title: str):
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
+def batch1(engine, prompt: list[int], params) -> dict:
+    """One request alone: the mean and median time between its tokens. No synchronisation: a
+    token is timed when it reaches the host (with asynchronous scheduling the next step is
+    already queued then)."""
+    engine.add_request("b1", prompt, params)
+    stamps = []
+    while engine.has_unfinished_requests():
+        if engine.step():
+            stamps.append(time.perf_counter())
+    steps = np.diff(stamps)
+    return {"batch1_ms_per_token": float(np.mean(steps)) * 1e3,
+            "batch1_ms_per_token_p50": float(np.median(steps)) * 1e3}
+
+
 def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | None = None) -> dict:
     from fd_core import LLM, SamplingParams
 
@@ -153,17 +167,8 @@ def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | 
     # warm-up: compile the kernels, capture the graphs of the sizes used below
     llm.generate(prompts(4, 128, 3), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 
-    engine.add_request("b1", prompts(1, 128, 1)[0], greedy)
-    stamps = []
     with profiled(args.profile, "batch 1"):
-        # no synchronisation: a token is timed when it reaches the host (with asynchronous
-        # scheduling the next step is already queued then)
-        while engine.has_unfinished_requests():
-            if engine.step():
-                stamps.append(time.perf_counter())
-    steps = np.diff(stamps)
-    out["batch1_ms_per_token"] = float(np.mean(steps)) * 1e3
-    out["batch1_ms_per_token_p50"] = float(np.median(steps)) * 1e3
+        out.update(batch1(engine, prompts(1, 128, 1)[0], greedy))
 
     many = prompts(args.requests, args.prompt_len, 2)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

@@ -13,6 +13,9 @@ every op not listed in ``OPS``, to the reference implementation.
   q: math is then float32); head_dim up to 256 (a power of two is the fast path; others are
   padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
   step into ``meta.device``.
+* ``linear`` / ``pack_linear`` for wint8, wint4 (zeros or not, per channel or groups of 16 and
+  more) and block_wise_fp8 weights: registered apart from ``OPS`` (``plugin.py``), chosen per
+  quantization method; plain weights go to cuBLAS.
 * ``sample``: logits in float32, float16 or bfloat16 (math in float32), any vocabulary size; the
   token choice (greedy, temperature, top-k, top-p, min-p, the counter-based noise) and the raw
   logprob and rank in one Triton program per row without sorting; penalties and suppression
@@ -30,6 +33,9 @@ from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatc
 
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
+from fd_backend_cuda.kernels.quantized_linear import METHODS as QUANTIZED_METHODS
+from fd_backend_cuda.kernels.quantized_linear import linear as quantized_linear
+from fd_backend_cuda.kernels.quantized_linear import pack_linear
 from fd_backend_cuda.kernels.rms_norm import rms_norm as _rms_norm
 from fd_backend_cuda.kernels.rotary import rotary as _rotary
 from fd_backend_cuda.kernels.sampling import DeviceSample

@@ -38,13 +38,17 @@ class CudaPlatform:
         import torch
 
         dtypes = {"float32", "float16"}
+        quantization = {"wint8", "wint4"}
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
             if major >= 8:  # bfloat16 from Ampere (sm80)
                 dtypes.add("bfloat16")
+            if (major, minor) >= (8, 9):  # float8 e4m3 conversions from Ada (sm89)
+                quantization.add("block_wise_fp8")
         return Capabilities(
             dtypes=frozenset(dtypes),
             kv_cache_dtypes=frozenset(dtypes),
+            quantization=frozenset(quantization),
             graph_capture=True,
             prefix_caching=True,
             chunked_prefill=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.3"  # sample_async (1.3); sample draws with 1.2's counter-based noise
+FD_API_VERSION = "1.5"  # pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
 
 
 @hookimpl
@@ -31,6 +31,16 @@ def fd_register_ops(registry):
 
     for op, fn in ops.OPS.items():
         registry.register(op, "cuda", fn, name=f"triton-{op}", priority=10, supports=supports_for(op),
+                          runtime="torch")
+
+    def quantized(quantization=None, **_):
+        return quantization in ops.QUANTIZED_METHODS
+
+    quantized.why = lambda **_: "it serves wint8, wint4 and block_wise_fp8 weights only"
+    # weight-only quantized linear (kernels/quantized_linear.py): chosen per method, never for
+    # plain weights, which cuBLAS serves
+    for op, fn in (("linear", ops.quantized_linear), ("pack_linear", ops.pack_linear)):
+        registry.register(op, "cuda", fn, name="triton-quantized", priority=10, supports=quantized,
                           runtime="torch")
     # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
     # kernels (cuBLAS for the matmuls), not a fallback.

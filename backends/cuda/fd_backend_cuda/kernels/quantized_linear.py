@@ -1,0 +1,259 @@
+"""Weight-only quantized ``linear``: ``y = x @ dequantize(w).T + bias`` reading 8-bit, 4-bit or
+FP8 weights straight from HBM, never a dequantized copy.
+
+Layouts made once at load by ``pack_linear`` (the contract's ``QuantizedWeight.layout``):
+
+- ``cuda_w8``: wint8, ``qweight`` int8 ``[out, in]`` as the canonical form;
+- ``cuda_w4``: wint4, two values per byte along ``in`` (``[out, in / 2]`` uint8, low nibble the
+  even column, stored as ``q + 8``): half the bytes of int8;
+- ``cuda_fp8``: block_wise_fp8, ``qweight`` the e4m3fn bits as uint8 (read as float8 in the kernel);
+- ``cuda_dense``: anything the kernel does not take (a group size with no power-of-two factor
+  of at least 16), dequantized once to the activations' dtype and run through cuBLAS.
+
+Scales (and zeros) stay ``[out, groups]`` float32 (fp8: ``[ceil(out/128), ceil(in/128)]``).
+
+Design: one program per ``BLOCK_M x BLOCK_N`` output tile loops over ``in`` in ``BLOCK_K``
+steps, ``BLOCK_K`` a power of two dividing the group (fp8: the 128-column block), so one scale
+(and zero) per output column covers the step: the raw integers (exact in bf16/fp16) go through
+``tl.dot`` and the step's partial sum is scaled after it, ``acc += dot(x, q) * s + rowsum(x) * z``.
+Decode batches (``M <= 16``) use narrow ``BLOCK_N`` tiles so that at least two programs run per
+SM: the loop streams the weight once at full bandwidth without a split-K reduction, and with no
+workspace the kernel is safe inside CUDA graphs. Prefill uses 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
+
+METHODS = ("wint8", "wint4", "block_wise_fp8")
+_CODES = {"cuda_w8": 0, "cuda_w4": 1, "cuda_fp8": 2}
+_DOT_DTYPES = (torch.float16, torch.bfloat16)
+# Above this many rows the product is compute-bound: one pass that dequantizes the weight to the
+# activations' dtype, then cuBLAS, beats dequantizing in every tile (measured, see the README).
+FUSED_MAX_ROWS = 128
+
+
+@triton.jit
+def _quantized_linear_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
+    M, N, K, GROUP, K_SPLIT,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if KIND == 1:  # two 4-bit values per byte: even columns in the low nibbles, odd in the high
+            rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            h_ok = rh < K // 2
+            packed = tl.load(w_rows + rh[None, :], mask=n_ok[:, None] & h_ok[None, :], other=0x88)
+            # u = q + 8 in [0, 15] OR-ed into the mantissa of MAGIC (bf16 128, fp16 1024) is the
+            # float MAGIC + u exactly, with no int-to-float conversion (a quarter-rate instruction
+            # that bounded this loop at ~600 GB/s); the dot's excess, (MAGIC + 8) * sum(x), is
+            # taken off after it
+            low = ((packed & 0xF).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
+            high = ((packed >> 4).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
+            x_even = tl.load(x_rows + 2 * rh[None, :], mask=m_ok[:, None] & h_ok[None, :], other=0.0)
+            x_odd = tl.load(x_rows + 2 * rh[None, :] + 1, mask=m_ok[:, None] & h_ok[None, :], other=0.0)
+            # sum(x) for every output column through the tensor cores (a dot with ones), not a
+            # cross-thread reduction per step
+            ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
+            total = tl.dot(x_even, ones) + tl.dot(x_odd, ones)
+            part = tl.dot(x_even, tl.trans(low)) + tl.dot(x_odd, tl.trans(high)) - MAGIC_OFFSET * total
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            q = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            if KIND == 2:  # uint8 bits: a masked lane reads 0, never a NaN pattern
+                q = q.to(tl.float8e4nv, bitcast=True)
+            part = tl.dot(x, tl.trans(q.to(x.dtype)))
+        if KIND == 2:  # one scale per 128 x 128 block
+            s = tl.load(s_ptr + (rn // 128).to(tl.int64) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
+        else:
+            s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+        acc += part * s[None, :]
+        if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
+            z = tl.load(z_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+            if KIND == 1:
+                acc += total * z[None, :]
+            else:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    if ATOMIC:  # split K: float32 partial sums into a zeroed output
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, GROUP, stride_wn, stride_sn,
+                       KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``BLOCK_K`` output columns per program (for int4: ``BLOCK_K / 2`` bytes, written as the
+    even and the odd columns)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = rn.to(tl.int64)[:, None]
+    n_ok = (rn < N)[:, None]
+    if KIND == 1:
+        rh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ok = n_ok & (rh < K // 2)[None, :]
+        byte = tl.load(w_ptr + rows * stride_wn + rh[None, :], mask=ok, other=0x88)
+        # both nibbles of a byte share its group (groups are even)
+        s = tl.load(s_ptr + rows * stride_sn + (2 * rh // GROUP)[None, :], mask=ok, other=0.0)
+        low = ((byte & 0xF).to(tl.int8) - 8).to(tl.float32) * s
+        high = ((byte >> 4).to(tl.int8) - 8).to(tl.float32) * s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + rows * stride_sn + (2 * rh // GROUP)[None, :], mask=ok, other=0.0)
+            low += z
+            high += z
+        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # column 2j, then 2j + 1
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty),
+                 mask=n_ok & (rk < K)[None, :])
+    else:
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = n_ok & (rk < K)[None, :]
+        q = tl.load(w_ptr + rows * stride_wn + rk[None, :], mask=ok, other=0)
+        if KIND == 2:
+            q = q.to(tl.float8e4nv, bitcast=True)
+            s = tl.load(s_ptr + (rn // 128).to(tl.int64)[:, None] * stride_sn + (rk // 128)[None, :], mask=ok,
+                        other=0.0)
+        else:
+            s = tl.load(s_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0)
+        w = q.to(tl.float32) * s
+        if HAS_ZEROS:
+            w += tl.load(z_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0)
+        tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A packed weight (``cuda_w8``/``cuda_w4``/``cuda_fp8``) as a dense ``[out, in]`` matrix."""
+    out_features, in_features = weight.shape
+    out = torch.empty((out_features, in_features), dtype=dtype, device=weight.qweight.device)
+    grid = (triton.cdiv(out_features, 32), triton.cdiv(in_features, 256))
+    _dequantize_kernel[grid](weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
+                             out, out_features, in_features, weight.group_size, weight.qweight.stride(0),
+                             weight.scales.stride(0), KIND=_CODES[weight.layout], HAS_ZEROS=weight.zeros is not None,
+                             BLOCK_N=32, BLOCK_K=256, num_warps=4)
+    return out
+
+
+def _step(group: int) -> int | None:
+    """The widest power-of-two K step (16..512) dividing ``group``; None if none does."""
+    for step in (512, 256, 128, 64, 32, 16):
+        if group % step == 0:
+            return step
+    return None
+
+
+def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
+    in_features = weight.shape[1]
+    group = in_features if weight.group_size == -1 else weight.group_size
+    step = FP8_BLOCK if weight.method == "block_wise_fp8" else _step(group)
+    if weight.method == "wint4" and step is not None and in_features % 2 == 0:
+        u = (weight.qweight.to(torch.int16) + 8).to(torch.uint8)
+        packed = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+        return QuantizedWeight("wint4", packed, weight.scales.float().contiguous(), group, weight.shape,
+                               None if weight.zeros is None else weight.zeros.float().contiguous(), "cuda_w4")
+    if weight.method == "wint8" and step is not None:
+        return QuantizedWeight("wint8", weight.qweight.contiguous(), weight.scales.float().contiguous(), group,
+                               weight.shape, None if weight.zeros is None else weight.zeros.float().contiguous(),
+                               "cuda_w8")
+    if weight.method == "block_wise_fp8":
+        bits = weight.qweight if weight.qweight.dtype == torch.uint8 else weight.qweight.view(torch.uint8)
+        return QuantizedWeight("block_wise_fp8", bits.contiguous(), weight.scales.float().contiguous(), FP8_BLOCK,
+                               weight.shape, None, "cuda_fp8")
+    from fd_core.runtimes.torch.ops import dequantize
+
+    # kept in bfloat16: the activations' dtype is not known here; linear casts if it differs
+    return QuantizedWeight(weight.method, dequantize(weight, torch.bfloat16).contiguous(), weight.scales,
+                           weight.group_size, weight.shape, None, "cuda_dense")
+
+
+Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages
+
+
+def _config(m: int, n: int, k: int, step: int, sms: int, int4: bool) -> Config:
+    """Tiles for an ``m x n`` output over ``k``; ``step`` is the widest K step the groups allow.
+    Chosen from the sweep in benchmarks/bench_quantized_linear.py (H100, Llama-3-8B's shapes)."""
+    if m > 16:
+        if int4:
+            return 32, 128, min(step, 128), 1, 4, 3
+        return (64 if m <= 64 else 128), 64, min(step, 128), 1, 4, 3
+    block_k = min(step, 128 if int4 else 256)
+    block_n = 128 if int4 else 64
+    split = 1
+    # at least two programs per SM: split K across programs (float32 partial sums)
+    while triton.cdiv(n, block_n) * split < 2 * sms and k // (split * 2) >= 4 * block_k:
+        split *= 2
+    return 16, block_n, block_k, split, 4, 3
+
+
+_SMS: dict[int, int] = {}
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+           config: Config | None = None) -> torch.Tensor:
+    """``config`` overrides the tile choice (the tile sweep in benchmarks/)."""
+    if weight.layout == "cuda_dense":
+        w = weight.qweight if weight.qweight.dtype == x.dtype else weight.qweight.to(x.dtype)
+        return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    kind = _CODES.get(weight.layout)
+    if kind is None:  # the canonical form: no pack_linear ran
+        from fd_core.runtimes.torch.ops import linear as reference_linear
+
+        return reference_linear(x, weight, bias)
+    out_features, in_features = weight.shape
+    shape = x.shape
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    dot_x = x2 if x2.dtype in _DOT_DTYPES else x2.to(torch.bfloat16)  # tl.dot: no float32 integer path
+    m = x2.shape[0]
+    if not m:
+        return x.new_empty((*shape[:-1], out_features))
+    if config is None and m > FUSED_MAX_ROWS:
+        # compute-bound: cuBLAS on a dense copy made in one pass
+        dense = dequantize(weight, dot_x.dtype)
+        y = torch.nn.functional.linear(dot_x, dense, None if bias is None else bias.to(dot_x.dtype))
+        return y.to(x.dtype).reshape(*shape[:-1], out_features)
+    device = x.device.index or 0
+    sms = _SMS.get(device) or _SMS.setdefault(device, torch.cuda.get_device_properties(device).multi_processor_count)
+    step = FP8_BLOCK if kind == 2 else _step(weight.group_size)
+    block_m, block_n, block_k, split, warps, stages = config or _config(m, out_features, in_features, step, sms, kind == 1)
+    k_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
+    atomic = split > 1
+    y = (torch.zeros if atomic else torch.empty)((m, out_features), dtype=torch.float32 if atomic else x.dtype,
+                                                 device=x.device)
+    scales, zeros = weight.scales, weight.zeros
+    grid = (triton.cdiv(out_features, block_n), triton.cdiv(m, block_m), triton.cdiv(in_features, k_split))
+    _quantized_linear_kernel[grid](
+        dot_x, weight.qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias, y,
+        m, out_features, in_features, weight.group_size, k_split,
+        dot_x.stride(0), weight.qweight.stride(0), scales.stride(0), y.stride(0),
+        KIND=kind, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, ATOMIC=atomic,
+        MAGIC_BITS=0x4300 if dot_x.dtype == torch.bfloat16 else 0x6400,
+        MAGIC_OFFSET=136.0 if dot_x.dtype == torch.bfloat16 else 1032.0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    if atomic:
+        y = y.to(x.dtype)
+    return y.reshape(*shape[:-1], out_features)
