@@ -336,7 +336,7 @@ def test_available_when_the_probe_finds_devices():
     assert caps.device_count == 4
     assert caps.dtypes == frozenset({"float32", "bfloat16"}) == caps.kv_cache_dtypes
     assert caps.collective_library == "cccl"
-    assert caps.quantization == frozenset() and not caps.graph_capture and not caps.memory_profiling
+    assert caps.quantization == {"wint8", "wint4"} and not caps.graph_capture and not caps.memory_profiling
     assert caps.prefix_caching and caps.chunked_prefill and caps.kv_swap and not caps.memory_query
     assert p.describe_devices() == ["chipdev:0", "chipdev:1", "chipdev:2", "chipdev:3"]
     assert p.default_max_num_batched_tokens is None and p.default_long_prefill_token_threshold is None
@@ -398,8 +398,8 @@ def test_emulated_capabilities_are_the_chip_narrowed_to_the_cpu(monkeypatch):
     monkeypatch.setenv("CHIP_VISIBLE_DEVICES", "0,1")
     caps = ChipPlatform().capabilities()
     assert caps == Capabilities(
-        dtypes=frozenset({"float32"}), kv_cache_dtypes=frozenset({"float32"}), quantization=frozenset(),
-        graph_capture=False, prefix_caching=True, chunked_prefill=True, kv_swap=True,
+        dtypes=frozenset({"float32"}), kv_cache_dtypes=frozenset({"float32"}),
+        quantization=frozenset({"wint8", "wint4"}), graph_capture=False, prefix_caching=True, chunked_prefill=True, kv_swap=True,
         collective_library="gloo", pinned_host_memory=False, device_count=2, memory_query=True,
         memory_profiling=False,
     )

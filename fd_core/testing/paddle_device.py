@@ -89,7 +89,7 @@ class PaddleDeviceChecks:
         self.fake_paddle(monkeypatch, built=True, count=2)
         caps = self.platform_class().capabilities()
         assert caps.dtypes == caps.kv_cache_dtypes == self.dtypes
-        assert caps.quantization == frozenset()  # fd quantizes no weights at load yet
+        assert caps.quantization == {"wint8", "wint4"}  # weight_only_linear, else the reference
         assert not caps.graph_capture and not caps.memory_profiling and not caps.speculative_methods
         assert caps.prefix_caching and caps.chunked_prefill and caps.kv_swap
         assert (caps.memory_query, caps.pinned_host_memory) == (self.memory_query, self.pinned_host_memory)
@@ -115,6 +115,13 @@ class PaddleDeviceChecks:
         assert {op: chosen[op] for op in self.emulated_ops} == expected
         assert not table.missing()
         assert all("fallback" not in c.reason for c in table.choices.values())
+        # wint8/wint4 weights: weight_only_linear is a device kernel, so on the CPU place its probe
+        # declines and the reference (dequantize, then matmul) serves them
+        quantized = registry.select(p.device_type, "paddle", op_context("float32", 64),
+                                    methods=frozenset({"wint8", "wint4"}))
+        assert {m: c["linear"].impl.name for m, c in quantized.per_method.items()} == {"wint8": "reference",
+                                                                                      "wint4": "reference"}
+        assert not fused.probe("linear", p.kernel_place(), "float32")[0]
 
 
 class CustomDeviceChecks(PaddleDeviceChecks):

@@ -69,10 +69,13 @@ class PaddleDevicePlatform:
                  pinned_host_memory: bool = False) -> Capabilities:
         """The manifest every Paddle device shares, for the chip's ``dtypes``: Paddle's
         reference ops' (``fd_core.runtimes.reference_capabilities``), with the chip's collective
-        library; ``PaddleMemory`` does not profile device memory."""
-        return reference_capabilities(dtypes, collective_library=self.collective_library,
-                                      pinned_host_memory=pinned_host_memory, memory_query=memory_query,
-                                      memory_profiling=False)
+        library and wint8/wint4 weights; ``PaddleMemory`` does not profile device memory."""
+        # wint8/wint4 through weight_only_linear where the build has it, else the reference
+        # (dequantize, then matmul): served either way (fused.py)
+        return replace(reference_capabilities(dtypes, collective_library=self.collective_library,
+                                              pinned_host_memory=pinned_host_memory, memory_query=memory_query,
+                                              memory_profiling=False),
+                       quantization=frozenset({"wint8", "wint4"}))
 
     def not_built(self, paddle: Any, what: str) -> tuple[int, str]:
         return 0, f"paddle {paddle.__version__} is not built with {what}; install {self.requirement}"

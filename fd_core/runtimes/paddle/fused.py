@@ -5,6 +5,8 @@ Each adapter has its op's exact signature (``fd_core.interfaces.ops``; the NumPy
 
 - ``rms_norm``: ``paddle.incubate.nn.functional.fused_rms_norm`` (with the residual add fused);
 - ``silu_and_mul``: ``paddle.nn.functional.swiglu``;
+- ``linear`` (wint8/wint4 weights only) and ``pack_linear``: ``paddle.nn.quant.weight_only_linear``
+  over the layout ``weight_quantize`` makes at load (GPU-class builds; not on the CPU);
 - ``rotary``: ``paddle.incubate.nn.functional.fused_rotary_position_embedding``. Paddle names
   the styles the other way round from the contract: its ``use_neox_rotary_style=True`` rotates
   adjacent pairs (the contract's ``"interleaved"``), ``False`` rotates the two halves (the
@@ -44,6 +46,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
+from fd_core.interfaces import QuantizedWeight
 from fd_core.runtimes.paddle import ops as reference
 from fd_core.runtimes.paddle.ops import _to, _upload, take_rows
 
@@ -56,10 +59,12 @@ KERNELS: dict[str, str] = {
     "rms_norm": "fused_rms_norm",
     "silu_and_mul": "swiglu",
     "rotary": "fused_rotary_position_embedding",
+    "linear": "weight_only_linear",  # quantized weights only (with weight_quantize at load)
 }
 FUSED_OPS = tuple(KERNELS)
 # the names the adapters are registered under (what fd doctor shows)
-_NAMES = {"rms_norm": "fused_rms_norm", "silu_and_mul": "swiglu", "rotary": "fused_rope"}
+_NAMES = {"rms_norm": "fused_rms_norm", "silu_and_mul": "swiglu", "rotary": "fused_rope",
+          "linear": "weight_only_linear", "pack_linear": "weight_only_linear"}
 
 
 # --- adapters ----------------------------------------------------------------------------------
@@ -124,7 +129,36 @@ def rotary(
     return out_q, out_k
 
 
-ADAPTERS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary": rotary}
+WEIGHT_ONLY = {"wint8": "int8", "wint4": "int4"}  # method -> weight_only_linear's weight_dtype
+_WEIGHT_ONLY_GROUPS = (-1, 64, 128)  # the group sizes weight_quantize takes
+
+
+def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
+    """A canonical wint8/wint4 weight in Paddle's weight-only layout (``weight_quantize`` on its
+    dequantized values: a symmetric weight with one scale per channel or per group of 64 or
+    128 lands on the same integers and scales, since its largest value in each group is
+    ``127 s`` or ``7 s``). Zero points and other groups have no Paddle form: they stay canonical
+    and ``linear`` runs the reference on them."""
+    if weight.method not in WEIGHT_ONLY or weight.zeros is not None or weight.group_size not in _WEIGHT_ONLY_GROUPS:
+        return weight
+    # float16, not bfloat16: its 11-bit significand keeps q * s close enough to round back to q
+    dense = reference.dequantize(weight, paddle.float16)
+    algo = f"weight_only_{WEIGHT_ONLY[weight.method]}"
+    qweight, scales = paddle.nn.quant.weight_quantize(dense.T, algo=algo, group_size=weight.group_size)
+    return QuantizedWeight(weight.method, qweight, scales, weight.group_size, weight.shape, None, "paddle_weight_only")
+
+
+def linear(x: Tensor, weight: Any, bias: Tensor | None = None) -> Tensor:
+    if not isinstance(weight, QuantizedWeight) or weight.layout != "paddle_weight_only":
+        return reference.linear(x, weight, bias)
+    scales = weight.scales if weight.scales.dtype == x.dtype else _to(weight.scales, x.dtype)
+    return paddle.nn.quant.weight_only_linear(x, weight.qweight, bias=None if bias is None else _to(bias, x.dtype),
+                                              weight_scale=scales, weight_dtype=WEIGHT_ONLY[weight.method],
+                                              group_size=weight.group_size)
+
+
+ADAPTERS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary": rotary,
+                                           "linear": linear, "pack_linear": pack_linear}
 
 
 # --- availability ------------------------------------------------------------------------------
@@ -161,6 +195,15 @@ def _probe_case(op: str, place: str, dtype: str) -> tuple[Callable[[], Any], Cal
             return run
 
         return both_styles(rotary), both_styles(reference.rotary)
+    if op == "linear":  # a per-channel wint8 weight through weight_quantize and weight_only_linear
+        from fd_core.quantization.quantize import quantize
+
+        w = quantize((rng.standard_normal((64, 16)) * 0.25).astype(np.float32), "wint8", -1)
+
+        def on_place() -> QuantizedWeight:
+            return QuantizedWeight("wint8", t(w.qweight, "int8"), t(w.scales, "float32"), -1, w.shape)
+
+        return (lambda: linear(t(x), pack_linear(on_place())), lambda: reference.linear(t(x), on_place()))
     raise ValueError(f"no fused kernel probe for {op!r}; known: {sorted(KERNELS)}")
 
 
@@ -505,11 +548,15 @@ def supports(op: str, place: Callable[[], str]) -> Callable[..., bool]:
     def check(dtype: Any = None, head_dim: int | None = None, quantization: str | None = None, **_: Any) -> bool:
         if op == "rotary" and head_dim is not None and head_dim % 2:
             return False
+        if op == "linear" and quantization not in WEIGHT_ONLY:
+            return False  # plain weights: Paddle's matmul (the reference)
         return available(op, place(), _dtype_name(dtype))
 
     def why(dtype: Any = None, head_dim: int | None = None, quantization: str | None = None, **_: Any) -> str:
         if op == "rotary" and head_dim is not None and head_dim % 2:
             return f"the kernel rotates pairs of dims; head size {head_dim} is odd"
+        if op == "linear" and quantization not in WEIGHT_ONLY:
+            return "it serves wint8 and wint4 weights only"
         where, dt = place(), _dtype_name(dtype)
         ok, reason = probe(op, where, dt)
         return "" if ok else f"probed on {where} for {dt}: {reason}"
@@ -525,6 +572,9 @@ def register_fused(registry: Any, device_type: str, place: Callable[[], str],
     for op in ops:
         registry.register(op, device_type, ADAPTERS[op], name=_NAMES[op], priority=priority,
                           supports=supports(op, place), runtime="paddle")
+        if op == "linear":  # its load-time half, chosen with it
+            registry.register("pack_linear", device_type, pack_linear, name=_NAMES["pack_linear"],
+                              priority=priority, supports=supports(op, place), runtime="paddle")
 
 
 def probe_report(place: str, dtypes: tuple[str, ...] = ("float32",)) -> Mapping[str, dict[str, str]]:
