@@ -4,8 +4,10 @@ FP8 weights straight from HBM, never a dequantized copy.
 Layouts made once at load by ``pack_linear`` (the contract's ``QuantizedWeight.layout``):
 
 - ``cuda_w8``: wint8, ``qweight`` int8 ``[out, in]`` as the canonical form;
-- ``cuda_w4``: wint4, two values per byte along ``in`` (``[out, in / 2]`` uint8, low nibble the
-  even column, stored as ``q + 8``): half the bytes of int8;
+- ``cuda_w4``: wint4, two values per byte (``[out, in / 2]`` uint8, stored as ``q + 8``): ``in``
+  cut into chunks of ``2 h`` columns (``h`` up to 128, dividing the group), byte ``i`` of a chunk
+  holding its column ``i`` in the low nibble and ``h + i`` in the high one, so one step reads
+  ``h`` bytes a row and two contiguous runs of ``x``: half the bytes of int8;
 - ``cuda_fp8``: block_wise_fp8, ``qweight`` the e4m3fn bits as uint8 (read as float8 in the kernel);
 - ``cuda_dense``: anything the kernel does not take (a group size with no power-of-two factor
   of at least 16), dequantized once to the activations' dtype and run through cuBLAS.
@@ -58,23 +60,33 @@ def _quantized_linear_kernel(
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if KIND == 1:  # two 4-bit values per byte: even columns in the low nibbles, odd in the high
+        if KIND == 1:
+            # one step is a chunk of BLOCK_K columns: byte i of it holds column i (low nibble)
+            # and column BLOCK_K / 2 + i (high), each half within one group
             rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            h_ok = rh < K // 2
-            packed = tl.load(w_rows + rh[None, :], mask=n_ok[:, None] & h_ok[None, :], other=0x88)
+            packed = tl.load(w_rows + rh[None, :], mask=n_ok[:, None], other=0x88)
             # u = q + 8 in [0, 15] OR-ed into the mantissa of MAGIC (bf16 128, fp16 1024) is the
-            # float MAGIC + u exactly, with no int-to-float conversion (a quarter-rate instruction
-            # that bounded this loop at ~600 GB/s); the dot's excess, (MAGIC + 8) * sum(x), is
-            # taken off after it
+            # float MAGIC + u exactly, with no int-to-float conversion; the dot's excess,
+            # (MAGIC + 8) * sum(x), is taken off after it
             low = ((packed & 0xF).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
             high = ((packed >> 4).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
-            x_even = tl.load(x_rows + 2 * rh[None, :], mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-            x_odd = tl.load(x_rows + 2 * rh[None, :] + 1, mask=m_ok[:, None] & h_ok[None, :], other=0.0)
-            # sum(x) for every output column through the tensor cores (a dot with ones), not a
-            # cross-thread reduction per step
+            r_low = k0 + tl.arange(0, BLOCK_K // 2)
+            x_low = tl.load(x_rows + r_low[None, :], mask=m_ok[:, None], other=0.0)
+            x_high = tl.load(x_rows + BLOCK_K // 2 + r_low[None, :], mask=m_ok[:, None], other=0.0)
+            # sum(x) broadcast over the output columns through the tensor cores (a dot with
+            # ones), not a cross-thread reduction per step
             ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
-            total = tl.dot(x_even, ones) + tl.dot(x_odd, ones)
-            part = tl.dot(x_even, tl.trans(low)) + tl.dot(x_odd, tl.trans(high)) - MAGIC_OFFSET * total
+            sum_low = tl.dot(x_low, ones)
+            sum_high = tl.dot(x_high, ones)
+            s_rows = s_ptr + rn.to(tl.int64) * stride_sn
+            s_low = tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)
+            s_high = tl.load(s_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)
+            acc += (tl.dot(x_low, tl.trans(low)) - MAGIC_OFFSET * sum_low) * s_low[None, :]
+            acc += (tl.dot(x_high, tl.trans(high)) - MAGIC_OFFSET * sum_high) * s_high[None, :]
+            if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over each group's columns
+                z_rows = z_ptr + rn.to(tl.int64) * stride_sn
+                acc += sum_low * tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+                acc += sum_high * tl.load(z_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -83,16 +95,13 @@ def _quantized_linear_kernel(
             if KIND == 2:  # uint8 bits: a masked lane reads 0, never a NaN pattern
                 q = q.to(tl.float8e4nv, bitcast=True)
             part = tl.dot(x, tl.trans(q.to(x.dtype)))
-        if KIND == 2:  # one scale per 128 x 128 block
-            s = tl.load(s_ptr + (rn // 128).to(tl.int64) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-        else:
-            s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-        acc += part * s[None, :]
-        if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
-            z = tl.load(z_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-            if KIND == 1:
-                acc += total * z[None, :]
+            if KIND == 2:  # one scale per 128 x 128 block
+                s = tl.load(s_ptr + (rn // 128).to(tl.int64) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
             else:
+                s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+            acc += part * s[None, :]
+            if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
+                z = tl.load(z_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
     if HAS_BIAS:
         if pid_k == 0:
@@ -107,27 +116,21 @@ def _quantized_linear_kernel(
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, GROUP, stride_wn, stride_sn,
                        KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``BLOCK_K`` output columns per program (for int4: ``BLOCK_K / 2`` bytes, written as the
-    even and the odd columns)."""
+    """``BLOCK_K`` output columns per program (int4: one chunk of the packed layout)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = rn.to(tl.int64)[:, None]
     n_ok = (rn < N)[:, None]
-    if KIND == 1:
+    if KIND == 1:  # one chunk of BLOCK_K columns per program (the packed layout's chunk)
         rh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        ok = n_ok & (rh < K // 2)[None, :]
-        byte = tl.load(w_ptr + rows * stride_wn + rh[None, :], mask=ok, other=0x88)
-        # both nibbles of a byte share its group (groups are even)
-        s = tl.load(s_ptr + rows * stride_sn + (2 * rh // GROUP)[None, :], mask=ok, other=0.0)
-        low = ((byte & 0xF).to(tl.int8) - 8).to(tl.float32) * s
-        high = ((byte >> 4).to(tl.int8) - 8).to(tl.float32) * s
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + rows * stride_sn + (2 * rh // GROUP)[None, :], mask=ok, other=0.0)
-            low += z
-            high += z
-        w = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))  # column 2j, then 2j + 1
-        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty),
-                 mask=n_ok & (rk < K)[None, :])
+        byte = tl.load(w_ptr + rows * stride_wn + rh[None, :], mask=n_ok, other=0x88)
+        r_low = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 2)
+        for half in tl.static_range(2):
+            rk = r_low + half * (BLOCK_K // 2)
+            w = (((byte >> (4 * half)) & 0xF).to(tl.int8) - 8).to(tl.float32)
+            w = w * tl.load(s_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=n_ok, other=0.0)
+            if HAS_ZEROS:
+                w += tl.load(z_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=n_ok, other=0.0)
+            tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty), mask=n_ok)
     else:
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         ok = n_ok & (rk < K)[None, :]
@@ -148,11 +151,13 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """A packed weight (``cuda_w8``/``cuda_w4``/``cuda_fp8``) as a dense ``[out, in]`` matrix."""
     out_features, in_features = weight.shape
     out = torch.empty((out_features, in_features), dtype=dtype, device=weight.qweight.device)
-    grid = (triton.cdiv(out_features, 32), triton.cdiv(in_features, 256))
+    kind = _CODES[weight.layout]
+    block_k = _int4_chunk(weight.group_size, in_features) if kind == 1 else 256
+    grid = (triton.cdiv(out_features, 32), triton.cdiv(in_features, block_k))
     _dequantize_kernel[grid](weight.qweight, weight.scales, weight.scales if weight.zeros is None else weight.zeros,
                              out, out_features, in_features, weight.group_size, weight.qweight.stride(0),
-                             weight.scales.stride(0), KIND=_CODES[weight.layout], HAS_ZEROS=weight.zeros is not None,
-                             BLOCK_N=32, BLOCK_K=256, num_warps=4)
+                             weight.scales.stride(0), KIND=kind, HAS_ZEROS=weight.zeros is not None,
+                             BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -164,13 +169,23 @@ def _step(group: int) -> int | None:
     return None
 
 
+def _int4_chunk(group: int, in_features: int) -> int | None:
+    """The columns one int4 step covers (two halves, each within one group): twice the widest
+    power of two from 16 to 128 that divides the group, such that the chunks tile ``in``."""
+    for half in (128, 64, 32, 16):
+        if group % half == 0 and in_features % (2 * half) == 0:
+            return 2 * half
+    return None
+
+
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
-    in_features = weight.shape[1]
+    out_features, in_features = weight.shape
     group = in_features if weight.group_size == -1 else weight.group_size
     step = FP8_BLOCK if weight.method == "block_wise_fp8" else _step(group)
-    if weight.method == "wint4" and step is not None and in_features % 2 == 0:
-        u = (weight.qweight.to(torch.int16) + 8).to(torch.uint8)
-        packed = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+    chunk = _int4_chunk(group, in_features) if weight.method == "wint4" else None
+    if chunk is not None:
+        u = (weight.qweight.to(torch.int16) + 8).to(torch.uint8).reshape(out_features, -1, 2, chunk // 2)
+        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
         return QuantizedWeight("wint4", packed, weight.scales.float().contiguous(), group, weight.shape,
                                None if weight.zeros is None else weight.zeros.float().contiguous(), "cuda_w4")
     if weight.method == "wint8" and step is not None:
@@ -194,12 +209,15 @@ Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT
 def _config(m: int, n: int, k: int, step: int, sms: int, int4: bool) -> Config:
     """Tiles for an ``m x n`` output over ``k``; ``step`` is the widest K step the groups allow.
     Chosen from the sweep in benchmarks/bench_quantized_linear.py (H100, Llama-3-8B's shapes)."""
-    if m > 16:
-        if int4:
-            return 32, 128, min(step, 128), 1, 4, 3
+    if int4:  # the step is the packed layout's chunk, whatever the rows
+        if m > 16:
+            return 32, 64, step, 1, 4, 3
+        block_k = step
+    elif m > 16:
         return (64 if m <= 64 else 128), 64, min(step, 128), 1, 4, 3
-    block_k = min(step, 128 if int4 else 256)
-    block_n = 128 if int4 else 64
+    else:
+        block_k = min(step, 256)
+    block_n = 64
     split = 1
     # at least two programs per SM: split K across programs (float32 partial sums)
     while triton.cdiv(n, block_n) * split < 2 * sms and k // (split * 2) >= 4 * block_k:
@@ -237,8 +255,10 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         return y.to(x.dtype).reshape(*shape[:-1], out_features)
     device = x.device.index or 0
     sms = _SMS.get(device) or _SMS.setdefault(device, torch.cuda.get_device_properties(device).multi_processor_count)
-    step = FP8_BLOCK if kind == 2 else _step(weight.group_size)
+    step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
     block_m, block_n, block_k, split, warps, stages = config or _config(m, out_features, in_features, step, sms, kind == 1)
+    if kind == 1:
+        block_k = step  # the int4 layout's chunk: the kernel reads the weight in exactly these
     k_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
     atomic = split > 1
     y = (torch.zeros if atomic else torch.empty)((m, out_features), dtype=torch.float32 if atomic else x.dtype,
