@@ -9,6 +9,10 @@ from fd_core.interfaces import Capabilities
 from fd_core.quantization.quantize import check_group_size, method_name
 
 GiB = 1 << 30
+# --kv-cache-dtype: "auto" keeps the cache in the model's dtype; the quantized ones are served
+# where a backend declares them in Capabilities.kv_cache_dtypes
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_KV_CACHE_MEMORY_GB = 2.0  # where the backend does not profile device memory
@@ -57,6 +61,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None  # wint8, wint4, block_wise_fp8 (fp8): decoder linears quantized at load
     quantization_group_size: int | None = None  # None: the method's default (wint4: 128)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 / fp8_e4m3 (fp8) where declared
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
     # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
     async_scheduling: bool | None = None
@@ -97,6 +102,10 @@ class EngineConfig:
         elif self.quantization_group_size is not None:
             raise ConfigError("--quantization-group-size sets the groups of --quantization wint8/wint4; "
                               "give --quantization too")
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            accepted = ", ".join([*KV_CACHE_DTYPES, *(f"{a} (= {d})" for a, d in KV_CACHE_ALIASES.items())])
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: accepted values are {accepted}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -111,6 +120,13 @@ class EngineConfig:
         if self.dtype not in caps.kv_cache_dtypes:  # the KV cache is kept in the model's dtype
             raise ConfigError(f"--dtype {self.dtype}: the {backend} backend keeps its KV cache in "
                               f"{sorted(caps.kv_cache_dtypes)} only")
+        kv = self.kv_cache_dtype
+        if kv in ("float32", "float16", "bfloat16") and kv != self.dtype:
+            raise ConfigError(f"--kv-cache-dtype {kv}: a float KV cache is kept in the model's dtype "
+                              f"(--dtype {self.dtype})")
+        if kv not in ("auto", self.dtype) and kv not in caps.kv_cache_dtypes:
+            raise ConfigError(f"--kv-cache-dtype {kv}: the {backend} backend keeps its KV cache in "
+                              f"{', '.join(sorted(caps.kv_cache_dtypes))} only")
         if self.tensor_parallel_size > caps.device_count:
             raise ConfigError(
                 f"--tensor-parallel-size {self.tensor_parallel_size}: the {backend} backend sees "

@@ -165,6 +165,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization-group-size", type=int, default=None, metavar="N",
                    help="input columns per scale for wint8/wint4 (default: 128 for wint4, -1 = per "
                         "output channel for wint8)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype), or int8 / fp8_e4m3 (fp8) where the backend declares a "
+                        "quantized KV cache (see fd backends: kv_cache_dtypes)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -191,7 +194,7 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
+        quantization_group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
