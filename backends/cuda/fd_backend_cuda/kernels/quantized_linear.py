@@ -36,6 +36,9 @@ _DOT_DTYPES = (torch.float16, torch.bfloat16)
 # Above this many rows the product is compute-bound: one pass that dequantizes the weight to the
 # activations' dtype, then cuBLAS, beats dequantizing in every tile (measured, see the README).
 FUSED_MAX_ROWS = 128
+# wint4's tiles unpack twice the values per byte: its copy-then-cuBLAS path wins sooner (at 128
+# rows by 1.5-2x on Llama-3-8B's shapes, break-even near 64 by the same figures)
+FUSED_MAX_ROWS_INT4 = 64
 
 
 @triton.jit
@@ -125,11 +128,12 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, GROUP, stride_wn, strid
         byte = tl.load(w_ptr + rows * stride_wn + rh[None, :], mask=n_ok, other=0x88)
         r_low = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K // 2)
         for half in tl.static_range(2):
-            rk = r_low + half * (BLOCK_K // 2)
+            c0 = tl.program_id(1) * BLOCK_K + half * (BLOCK_K // 2)  # each half lies in one group
             w = (((byte >> (4 * half)) & 0xF).to(tl.int8) - 8).to(tl.float32)
-            w = w * tl.load(s_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=n_ok, other=0.0)
+            w = w * tl.load(s_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0)
             if HAS_ZEROS:
-                w += tl.load(z_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=n_ok, other=0.0)
+                w += tl.load(z_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0)
+            rk = r_low + half * (BLOCK_K // 2)
             tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty), mask=n_ok)
     else:
         rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -248,7 +252,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     m = x2.shape[0]
     if not m:
         return x.new_empty((*shape[:-1], out_features))
-    if config is None and m > FUSED_MAX_ROWS:
+    if config is None and m > (FUSED_MAX_ROWS_INT4 if kind == 1 else FUSED_MAX_ROWS):
         # compute-bound: cuBLAS on a dense copy made in one pass
         dense = dequantize(weight, dot_x.dtype)
         y = torch.nn.functional.linear(dot_x, dense, None if bias is None else bias.to(dot_x.dtype))
