@@ -73,6 +73,16 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fd_[a-z_]+) ([0-9.e+-]+)$", text, re.M)}
 
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        """Stop the server; it must exit cleanly unless the block already failed (that error is
+        the one to see)."""
+        code = self.stop()
+        if exc_type is None:
+            assert code == 0, self.log()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

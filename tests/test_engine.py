@@ -290,3 +290,18 @@ def test_the_engine_refuses_a_step_past_its_limits(model_dir, break_it):
     with pytest.raises(RuntimeError, match="the scheduler exceeded its limits"):
         while core.has_unfinished_requests():
             core.step()
+
+
+def test_prompt_logits_leave_the_prefix_cache_consistent(model_dir):
+    """``fd_core.bench.perplexity`` prefills outside the scheduler, over blocks the prefix cache
+    may hold: afterwards a cached prompt is computed again and answers as before."""
+    from fd_core.bench.perplexity import prompt_logits
+
+    llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, block_size=4, num_kv_blocks=64)
+    prompt, params = list(range(3, 40)), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    logits = prompt_logits(llm, [50 + (7 * i) % 200 for i in range(100)])  # over the cached blocks
+    assert logits.shape == (99, llm.engine.model_config.vocab_size)
+    assert llm.reset_prefix_cache() == 0  # already forgotten
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == before

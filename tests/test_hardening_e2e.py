@@ -48,8 +48,8 @@ def server(tiny_model, tmp_path_factory):
     srv = Server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", NAME,
                  "--api-key", API_KEY, "--num-kv-blocks", "512", "--max-num-seqs", "16",
                  "--max-sequences-per-request", str(MAX_SEQUENCES))
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    with srv:
+        yield srv
 
 
 def post(server: Server, path: str, body: dict | bytes, timeout: float = 60) -> httpx.Response:
@@ -279,7 +279,7 @@ def test_odd_but_valid_unicode_is_served(server):
 def test_a_frozen_engine_is_unhealthy_and_requests_time_out(tiny_model, tmp_path):
     srv = Server(tiny_model, tmp_path / "frozen.log", "--heartbeat-timeout", "1", "--request-timeout", "5",
                  "--num-kv-blocks", "256")
-    try:
+    with srv:
         core = srv.engine_core_pid()
         outcome: dict[str, object] = {}
 
@@ -337,8 +337,6 @@ def test_a_frozen_engine_is_unhealthy_and_requests_time_out(tiny_model, tmp_path
         # the aborted requests hold no KV blocks
         m = srv.metrics()
         assert m["fd_kv_cache_free_blocks"] == m["fd_kv_cache_total_blocks"], m
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 # -- 8. a long prompt does not starve short requests ----------------------------------------------------
@@ -351,7 +349,7 @@ def test_a_short_request_behind_a_long_prompt_finishes_first(tmp_path):
     model = checkpoints.make_llama(tmp_path / "model", max_position_embeddings=4096)
     srv = Server(str(model), tmp_path / "long.log", "--max-model-len", "4096", "--num-kv-blocks", "512",
                  "--max-num-batched-tokens", "8", "--long-prefill-token-threshold", "4")
-    try:
+    with srv:
         done: dict[str, float] = {}
 
         def complete(name: str, prompt: list[int]) -> None:
@@ -369,8 +367,6 @@ def test_a_short_request_behind_a_long_prompt_finishes_first(tmp_path):
         complete("short", [5, 6, 7])
         long.join(300)
         assert done["short"] < done["long"], f"the short request waited for the long prefill: {done}"
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 # -- 7. the schema and the behaviour agree ---------------------------------------------------------------

@@ -54,9 +54,8 @@ def tiny_model(tmp_path_factory) -> str:
 def server(tiny_model, tmp_path_factory):
     srv = Server(tiny_model, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", NAME,
                  "--api-key", API_KEY, "--num-kv-blocks", "1024", "--max-num-seqs", "64")
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.log()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +334,8 @@ def smollm2(tmp_path_factory):
 
     srv = Server(DEFAULT_MODEL, tmp_path_factory.mktemp("smol") / "server.log", "--max-model-len", "1024",
                  "--api-key", API_KEY)
-    yield srv, DEFAULT_MODEL
-    assert srv.stop() == 0, srv.log()
+    with srv:
+        yield srv, DEFAULT_MODEL
 
 
 @pytest.mark.slow
@@ -393,13 +392,11 @@ def test_vendor_backend_serves_the_default_model_emulated(chip, tmp_path):
 
     srv = Server(DEFAULT_MODEL, tmp_path / "server.log", "--device", chip, "--max-model-len", "512",
                  "--api-key", API_KEY, env={"FD_EMULATE": chip})
-    try:
+    with srv:
         question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
         reply = srv.openai().chat.completions.create(model=DEFAULT_MODEL, messages=question, temperature=0,
                                                      max_tokens=16)
         assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.parametrize("chip", VENDOR_BACKENDS)

@@ -5,7 +5,7 @@ quality, measured on the model as the engine runs it (its ops, its quantized wei
 
 The text is cut into windows of ``window`` tokens; each window is one prefill, and every token
 of it but the first is scored given the ones before it in that window. The engine must be idle:
-the windows run on its KV cache outside its scheduler.
+the windows run on its KV cache outside its scheduler, and its prefix cache is emptied after.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def prompt_logits(llm: Any, token_ids: list[int]) -> np.ndarray:
     engine = llm.engine
     if engine.config.tensor_parallel_size > 1:
         raise ValueError("perplexity runs on one rank: use tensor_parallel_size 1")
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine is serving requests: their KV blocks would be overwritten")
     runner = engine.runner
     scheduled = prefill_batch([token_ids], runner.block_size)
     needed = 1 + len(scheduled[0].seq.block_table)
@@ -34,7 +36,10 @@ def prompt_logits(llm: Any, token_ids: list[int]) -> np.ndarray:
                          f"{engine.pool.num_blocks}: use a smaller window")
     inputs, _ = prepare_inputs(scheduled, runner.block_size)
     inputs.logit_rows = np.arange(len(token_ids) - 1, dtype=np.int64)
-    return engine.memory.to_numpy(runner.run(inputs, eager=True))
+    logits = engine.memory.to_numpy(runner.run(inputs, eager=True))
+    # the prefill wrote blocks 1.. behind the prefix cache's back: forget what they held
+    engine.pool.reset_prefix_cache()
+    return logits
 
 
 def token_logprobs(llm: Any, token_ids: list[int]) -> np.ndarray:

@@ -9,7 +9,7 @@ from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
 from fd_core.interfaces import Communicator, Platform, RunnerLimits
 from fd_core.plugins.ops import op_context
-from fd_core.quantization.quantize import LoadQuantization, check_group_size
+from fd_core.quantization.quantize import LoadQuantization
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
@@ -29,9 +29,8 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     tp = TensorParallel(rank, world_size, comm)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     quantize = None
-    if config.quantization is not None:
-        quantize = LoadQuantization(config.quantization,
-                                    check_group_size(config.quantization, config.quantization_group_size))
+    if config.quantization is not None:  # validate() filled in the method's group size
+        quantize = LoadQuantization(config.quantization, config.quantization_group_size)
     model.load_weights(checkpoint.weights(), quantize)
     if quantize is not None:
         quantize.report()

@@ -114,6 +114,7 @@ class DecoderForCausalLM:
         self.lm_head: Tensor = None
         self.norm: Tensor = None
         self._dequantized: Counter[str] = Counter()  # quantized weights load_weights dequantized, by method
+        self._unfused: Counter[str] = Counter()  # quantized parts fused as floats, by method
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -142,14 +143,14 @@ class DecoderForCausalLM:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
         self._dequantized.clear()
+        self._unfused.clear()
         self._upload(host)
         for method, count in sorted(self._dequantized.items()):
-            if method.endswith("(unfusable)"):
-                log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks "
-                         "of the fused q/k/v or gate/up matrix", count, method.split()[0], self.dtype)
-            else:
-                log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
-                         count, method, self.dtype, self.ops.device_type, method)
+            log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
+                     count, method, self.dtype, self.ops.device_type, method)
+        for method, count in sorted(self._unfused.items()):
+            log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks of "
+                     "the fused q/k/v or gate/up matrix", count, method, self.dtype)
 
     def _upload(self, host: dict[str, HostWeight]) -> None:
         up, tp = self._to_device, self.tp
@@ -176,10 +177,8 @@ class DecoderForCausalLM:
         def fused(names: list[str]) -> HostWeight:
             parts = [column(n) for n in names]
             out = concat_rows(parts)  # type: ignore[arg-type]
-            if not isinstance(out, QuantizedWeight):
-                for part in parts:  # e.g. fp8 parts whose rows do not fill 128-row blocks
-                    if isinstance(part, QuantizedWeight):
-                        self._dequantized[f"{part.method} (unfusable)"] += 1
+            if not isinstance(out, QuantizedWeight):  # e.g. fp8 parts whose rows do not fill blocks
+                self._unfused.update(p.method for p in parts if isinstance(p, QuantizedWeight))
             return out
 
         for i in range(c.num_hidden_layers):
