@@ -43,7 +43,6 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     (["--quantization-group-size", "64"], "--quantization-group-size sets the groups of --quantization"),
     (["--kv-cache-dtype", "int3"], "--kv-cache-dtype int3: accepted values are auto, float32, float16, bfloat16, "
                                    "int8, fp8_e4m3, fp8 (= fp8_e4m3)"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8_e4m3: the cpu backend keeps its KV cache in float32 only"),
     (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype bfloat16: a float KV cache is kept in the model's dtype"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the cpu backend"),
     (["--tensor-parallel-size", "100000"], "--tensor-parallel-size 100000: the cpu backend"),

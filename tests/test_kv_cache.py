@@ -75,6 +75,20 @@ def test_outputs_identical_across_cache_chunking_and_preemption(model_dir, param
         assert swap == reference
 
 
+@pytest.mark.parametrize("runtime, kv", [("torch", "int8"), ("torch", "fp8_e4m3"), ("paddle", "int8")])
+def test_a_quantized_cache_survives_prefix_caching_chunking_and_swap(model_dir, runtime, kv):
+    """Quantized rows (values and their scales) are cached, chunked over and swapped out and
+    back like float ones: the tokens are those of the same cache without any of it."""
+    args = dict(runtime=runtime, kv_cache_dtype=kv)
+    reference, engine, _ = run(model_dir, GREEDY, num_kv_blocks=1024, enable_prefix_caching=False,
+                               enable_chunked_prefill=False, **args)
+    assert engine.runner.kv_caches[0][0].shape[-1] == 16 + 2  # head_dim values and a float16 scale
+    cached, engine, _ = run(model_dir, GREEDY, num_kv_blocks=1024, max_num_batched_tokens=7, **args)
+    assert engine.pool.hit_tokens > 0 and cached == reference
+    swap, engine, _ = run(model_dir, GREEDY, num_kv_blocks=TIGHT, swap_space=0.05, **args)
+    assert engine.scheduler.num_swapped_out > 0 and swap == reference
+
+
 def test_swap_space_too_small_falls_back_to_recompute(model_dir):
     reference, _, _ = run(model_dir, GREEDY, num_kv_blocks=1024)
     # a few blocks of swap space: some preemptions swap, the rest must recompute

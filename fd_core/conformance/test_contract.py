@@ -19,6 +19,7 @@ from fd_core.interfaces import (
     is_compatible,
 )
 from fd_core.plugins.ops import op_context
+from fd_core.quantization.kv_cache import KV_QUANTIZED
 from fd_core.plugins.registry import platform_runtimes, runtime_installed
 
 # What the contract's words mean today; a manifest naming anything else is a typo or a promise
@@ -75,7 +76,7 @@ def test_capabilities_are_an_honest_manifest(fd_backend):
     with pytest.raises(dataclasses.FrozenInstanceError):
         caps.graph_capture = not caps.graph_capture  # type: ignore[misc]
     assert caps.dtypes and caps.dtypes <= KNOWN_DTYPES, f"dtypes {sorted(caps.dtypes)}; known {sorted(KNOWN_DTYPES)}"
-    assert caps.kv_cache_dtypes <= KNOWN_DTYPES, sorted(caps.kv_cache_dtypes)
+    assert caps.kv_cache_dtypes <= KNOWN_DTYPES | KV_QUANTIZED.keys(), sorted(caps.kv_cache_dtypes)
     assert caps.dtypes & caps.kv_cache_dtypes, "no dtype is both a compute and a KV-cache dtype"
     assert caps.quantization <= KNOWN_QUANTIZATION, sorted(caps.quantization)
     if fd_backend.available:
@@ -93,6 +94,7 @@ def _refusals(caps: Capabilities) -> list[tuple[str, dict]]:
     """(flag, EngineConfig fields) for each feature the manifest does not declare."""
     out = [(f"--dtype {d}", {"dtype": d}) for d in sorted(KNOWN_DTYPES - caps.dtypes)]
     out += [(f"--quantization {q}", {"quantization": q}) for q in sorted(KNOWN_QUANTIZATION - caps.quantization)]
+    out += [(f"--kv-cache-dtype {kv}", {"kv_cache_dtype": kv}) for kv in sorted(KV_QUANTIZED.keys() - caps.kv_cache_dtypes)]
     if not caps.chunked_prefill:
         out.append(("--enable-chunked-prefill", {"enable_chunked_prefill": True}))
     if not caps.prefix_caching:

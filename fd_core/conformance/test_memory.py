@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fd_core.quantization.kv_cache import KV_QUANTIZED, cache_layout
+
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 6, 4, 2, 8
 SLOTS = BLOCKS * BLOCK_SIZE
 
@@ -48,6 +50,17 @@ def test_kv_cache_layout_and_zero_fill(fd_backend):
                 assert host.shape == (SLOTS, KV_HEADS, HEAD_DIM), (
                     f"{dtype} cache shape {host.shape}, the contract's layout is "
                     f"[num_blocks * block_size, num_kv_heads, head_dim] = {[SLOTS, KV_HEADS, HEAD_DIM]}")
+                assert not host.any(), "allocate_kv_cache must zero-fill"
+    # a declared int8 / fp8_e4m3 cache: rows of head_dim values and a float16 scale, in the
+    # storage dtype that names the format (fd_core.quantization.kv_cache)
+    for kv in sorted(fd_backend.capabilities.kv_cache_dtypes & KV_QUANTIZED.keys()):
+        row, storage = cache_layout(kv, HEAD_DIM)
+        for key, value in _kv(memory, kv):
+            for t in (key, value):
+                host = np.asarray(memory.to_numpy(t))
+                assert host.shape == (SLOTS, KV_HEADS, row) and host.dtype == np.dtype(storage), (
+                    f"{kv} cache: {host.dtype} {host.shape}, the format is {storage} "
+                    f"{[SLOTS, KV_HEADS, row]} (head_dim values, then a float16 scale)")
                 assert not host.any(), "allocate_kv_cache must zero-fill"
 
 

@@ -66,6 +66,11 @@ class EngineConfig:
     # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
     async_scheduling: bool | None = None
 
+    @property
+    def cache_dtype(self) -> str:
+        """What the KV cache is kept in: ``kv_cache_dtype``, or the model's dtype for auto."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
     def validate(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)

@@ -32,6 +32,7 @@ from fd_core.engine.swap import SwapSpace
 from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError, check_text
 from fd_core.interfaces import Platform, SampleOutput
 from fd_core.models import TensorParallel
+from fd_core.quantization.kv_cache import row_bytes as kv_row_bytes
 
 log = logging.getLogger("fd.engine")
 
@@ -170,14 +171,14 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; give it more memory (kv_cache_memory_gb / "
                 f"num_kv_blocks) or lower max_model_len"
             )
-        self.executor.initialize_kv_cache(num_blocks, config.dtype)
+        self.executor.initialize_kv_cache(num_blocks, config.cache_dtype)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         swap = None
         if config.swap_space:
             num_host_blocks = int(config.swap_space * GiB // self._kv_block_bytes())
             if num_host_blocks < 1:
                 raise ConfigError(f"--swap-space {config.swap_space} GiB holds less than one KV-cache block")
-            self.executor.initialize_swap_space(num_host_blocks, config.dtype)
+            self.executor.initialize_swap_space(num_host_blocks, config.cache_dtype)
             swap = SwapSpace(num_host_blocks)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, swap, config.long_prefill_token_threshold)
@@ -198,9 +199,8 @@ class EngineCore:
     def _kv_block_bytes(self) -> int:
         """Bytes of one block on one rank (a tensor-parallel rank holds its share of the heads)."""
         c, m = self.config, self.model_config
-        dtype_bytes = 2 if c.dtype in ("bfloat16", "float16") else 4
         kv_heads = m.num_key_value_heads // self.tp.world_size
-        return 2 * m.num_hidden_layers * c.block_size * kv_heads * m.head_dim * dtype_bytes
+        return 2 * m.num_hidden_layers * c.block_size * kv_heads * kv_row_bytes(c.cache_dtype, m.head_dim)
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -224,7 +224,7 @@ class EngineCore:
         utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         blocks = []
         for free, total, peak in self.executor.profile_memory(
-            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.dtype
+            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.cache_dtype
         ):
             budget = total * utilization - (total - free) - peak
             blocks.append(int(budget // per_block))

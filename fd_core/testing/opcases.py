@@ -24,6 +24,7 @@ from fd_core.interfaces import (
     SampleOutput,
 )
 from fd_core.plugins.ops import op_context
+from fd_core.quantization.kv_cache import KV_QUANTIZED, quantize_rows
 from fd_core.quantization.quantize import quantize
 from fd_core.testing import spec
 from fd_core.testing.batches import make_sampling_batch
@@ -206,6 +207,8 @@ def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     rng = _rng(case)
     (hq, hk), d = p["heads"], case.head_dim
     meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
+    if p.get("kv_cache_dtype"):  # a quantized cache (fd_core.quantization.kv_cache's format)
+        key_cache, value_cache = (quantize_rows(c, p["kv_cache_dtype"]) for c in (key_cache, value_cache))
     n = int(meta.query_start_loc[-1])
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))
@@ -356,6 +359,11 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 for heads, d in [((4, 4), 64), ((8, 2), 128)]:
                     add("attention", f"{name} step {seqs} q heads {heads[0]} kv heads {heads[1]} head_dim {d} "
                         f"block_size 16", head_dim=d, params=dict(seqs=seqs, heads=heads, block_size=16))
+        for kv in sorted(capabilities.kv_cache_dtypes & KV_QUANTIZED.keys()):
+            for name in ("prefill+decode", "mixed" if chunked else "decode"):
+                seqs = ATTENTION_STEPS[name]
+                add("attention", f"{name} step {seqs} q heads 8 kv heads 2 head_dim 64 block_size 16, "
+                    f"{kv} cache", head_dim=64, params=dict(seqs=seqs, heads=(8, 2), block_size=16, kv_cache_dtype=kv))
         for experts, top_k, scoring, bias, renorm in [(4, 2, "softmax", False, True), (8, 2, "sigmoid", True, False)]:
             add("moe", f"x[7, 32] {experts} experts top-{top_k} {scoring}" + (" + correction bias" if bias else "")
                 + (" renormalized" if renorm else ""),

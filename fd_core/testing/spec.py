@@ -20,6 +20,10 @@ from fd_core.interfaces.ops import (
 # dequantize: the matrix a QuantizedWeight stands for, one function for the spec and the loaders
 from fd_core.quantization.host import dequantize, fp8_e4m3fn_values  # noqa: E402, F401
 
+# the quantized KV cache's format (--kv-cache-dtype int8 / fp8_e4m3): one for the spec and the runtimes
+from fd_core.quantization.kv_cache import dequantize_rows, quantize_rows  # noqa: E402
+from fd_core.quantization.kv_cache import format_of as kv_format  # noqa: E402
+
 # Per-op tolerances (for np.testing.assert_allclose) of a float32 implementation against this
 # specification. Lookups and integer outputs are exact; reductions may differ in summation order.
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -151,8 +155,16 @@ def attention(
     scale: float,
 ) -> np.ndarray:
     key_cache, value_cache = kv_cache
-    key_cache[meta.slot_mapping] = k.astype(key_cache.dtype)
-    value_cache[meta.slot_mapping] = v.astype(value_cache.dtype)
+    quantized = kv_format(key_cache.dtype)  # an int8 / uint8 cache: fd_core.quantization.kv_cache
+
+    def write(cache: np.ndarray, rows: np.ndarray) -> None:
+        cache[meta.slot_mapping] = quantize_rows(rows, quantized) if quantized else rows.astype(cache.dtype)
+
+    def read(cache: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return dequantize_rows(cache[slots]) if quantized else cache[slots].astype(np.float32)
+
+    write(key_cache, k)
+    write(value_cache, v)
 
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -166,8 +178,8 @@ def attention(
         pos = np.arange(total)
         slots = meta.block_tables[i][pos // bs] * bs + pos % bs
         # query head h reads kv head h // group
-        keys = np.repeat(key_cache[slots].astype(np.float32), group, axis=1)  # [T, Hq, D]
-        values = np.repeat(value_cache[slots].astype(np.float32), group, axis=1)
+        keys = np.repeat(read(key_cache, slots), group, axis=1)  # [T, Hq, D]
+        values = np.repeat(read(value_cache, slots), group, axis=1)
         query = q[start:end].astype(np.float32)  # [L, Hq, D]
         scores = np.einsum("lhd,thd->hlt", query, keys) * scale
         query_pos = context + np.arange(end - start)

@@ -10,7 +10,8 @@ every op not listed in ``OPS``, to the reference implementation.
 * ``rms_norm``/``rotary``/``silu_and_mul``: float32, float16, bfloat16; math in float32; any
   hidden size / head size (last axis contiguous, leading axes may be strided).
 * ``attention``: q, k, v and the cache in float32, float16 or bfloat16 (the cache may differ from
-  q: math is then float32); head_dim up to 256 (a power of two is the fast path; others are
+  q: math is then float32), or an int8 / uint8 cache in fd_core.quantization.kv_cache's format
+  (--kv-cache-dtype int8 / fp8_e4m3); head_dim up to 256 (a power of two is the fast path; others are
   padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
   step into ``meta.device``.
 * ``linear`` / ``pack_linear`` for wint8, wint4 (zeros or not, per channel or groups of 16 and

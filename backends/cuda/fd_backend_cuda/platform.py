@@ -39,15 +39,17 @@ class CudaPlatform:
 
         dtypes = {"float32", "float16"}
         quantization = {"wint8", "wint4"}
+        kv_cache = {"int8"}  # quantized KV caches (fd_core.quantization.kv_cache), read in the attention kernel
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability(0)
             if major >= 8:  # bfloat16 from Ampere (sm80)
                 dtypes.add("bfloat16")
             if (major, minor) >= (8, 9):  # float8 e4m3 conversions from Ada (sm89)
                 quantization.add("block_wise_fp8")
+                kv_cache.add("fp8_e4m3")
         return Capabilities(
             dtypes=frozenset(dtypes),
-            kv_cache_dtypes=frozenset(dtypes),
+            kv_cache_dtypes=frozenset(dtypes | kv_cache),
             quantization=frozenset(quantization),
             graph_capture=True,
             prefix_caching=True,

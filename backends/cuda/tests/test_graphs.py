@@ -10,12 +10,13 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_scheduling: bool = True):
+def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_scheduling: bool = True,
+              kv_cache_dtype: str = "auto"):
     from fd_core import LLM, SamplingParams
 
     llm = LLM(model=str(path), device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=40,
               enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
-              async_scheduling=None if async_scheduling else False)
+              async_scheduling=None if async_scheduling else False, kv_cache_dtype=kv_cache_dtype)
     assert llm.engine.core.async_scheduling == async_scheduling  # on by default on cuda
     rng = np.random.default_rng(1)
     results = []
@@ -39,6 +40,18 @@ def test_graph_replays_give_the_eager_tokens(llama):
     eager, none = _generate(llama, True, "float32", counts)
     assert none == []  # --enforce-eager captures nothing
     assert captured == [1, 2, 4, 8, 16, 24, 32, 40]  # every bucket, at start-up
+    assert graphed == eager
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_graph_replays_on_a_quantized_kv_cache(llama, kv):
+    """Float32 compute over an int8 / fp8 cache: replays write and read the quantized rows as
+    the eager steps do."""
+    if kv == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs sm89+")
+    counts = [1, 5, 17]
+    graphed, _ = _generate(llama, False, "float32", counts, kv_cache_dtype=kv)
+    eager, _ = _generate(llama, True, "float32", counts, kv_cache_dtype=kv)
     assert graphed == eager
 
 

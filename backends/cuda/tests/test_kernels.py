@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
 
 from fd_core.interfaces.ops import AttentionMetadata
+from fd_core.quantization.kv_cache import quantize_rows
 from fd_core.testing import spec
 
 from fd_backend_cuda import ops
@@ -375,6 +376,49 @@ def test_attention_plan_covers_every_row_once():
                 start, end = meta.query_start_loc[seq], meta.query_start_loc[seq + 1]
                 covered[start + tok : min(start + tok + block_q, end)] += 1
         assert np.all(covered == 1)
+
+
+def run_quantized_cache(seqs, heads, head_dim, block_size, dtype, kv, seed=0, num_splits=None):
+    """As run_attention over an int8 / fp8_e4m3 cache (fd_core.quantization.kv_cache's format):
+    the rows written must be the specification's bytes."""
+    hq, hk = heads
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in seqs) + 3
+    meta = make_batch(seqs, block_size, num_blocks, seed)
+    n = int(meta.query_start_loc[-1])
+    q, k, v = (rand((n, h, head_dim), dtype, seed + i) for i, h in enumerate((hq, hk, hk), 1))
+    shape = (num_blocks * block_size, hk, head_dim)
+    spec_cache = tuple(quantize_rows(host(rand(shape, torch.float32, seed + i)), kv) for i in (4, 5))
+    key_cache, value_cache = (torch.from_numpy(c.copy()).to(DEVICE) for c in spec_cache)
+    scale = head_dim**-0.5
+    want = spec.attention(host(q), host(k), host(v), spec_cache, meta, scale)
+    out = paged_attention(q, k, v, (key_cache, value_cache), meta, scale, num_splits=num_splits)
+    np.testing.assert_array_equal(host(key_cache), spec_cache[0])
+    np.testing.assert_array_equal(host(value_cache), spec_cache[1])
+    return out, want
+
+
+# fp8 needs float8 conversions: sm89+ on a GPU. Triton 3.6's interpreter rounds float32 to e4m3
+# without carrying into the exponent (1.95 becomes 1.0, not 2.0), so it runs on a GPU only.
+KV_FORMATS = ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="float8 e4m3 conversions need sm89+ (the Triton interpreter's are wrong)"))]
+
+
+@pytest.mark.parametrize("kv", KV_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario,num_splits", [("mixed", None), ("long", None), ("decodes", 2)])
+def test_attention_quantized_cache(kv, dtype, scenario, num_splits):
+    out, want = run_quantized_cache(SCENARIOS[scenario], (4, 2), 64, 16, dtype, kv, seed=11,
+                                    num_splits=num_splits)
+    close(out, want, tol("attention", dtype))
+
+
+def test_attention_refuses_a_quantized_cache_without_its_scales():
+    q = rand((2, 2, 16), torch.float32, 1)
+    cache = torch.zeros((8, 2, 16), dtype=torch.int8, device=DEVICE)
+    meta = make_batch([(0, 2)], 4, 2, 0)
+    with pytest.raises(ValueError, match=r"key_cache shape \(8, 2, 16\) vs \[\*, 2, 18\]"):
+        paged_attention(q, q, q, (cache, cache.clone()), meta, 0.25)
 
 
 def test_write_kv_cache_skips_negative_slots():

@@ -13,7 +13,7 @@ from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
-FD_API_VERSION = "1.5"
+FD_API_VERSION = "1.6"  # quantized KV caches (1.6), pack_linear (1.5)
 
 
 class CpuPlatform:
@@ -60,7 +60,10 @@ class CpuPlatform:
         caps = reference_capabilities(HOST_DTYPES[self.runtime], collective_library="gloo",
                                       pinned_host_memory=False, device_count=self.device_count(),
                                       memory_query=True)
-        if self.runtime == "torch":
+        # an int8 / fp8 KV cache through either runtime's reference attention
+        # (fd_core.quantization.kv_cache's format)
+        caps = dataclasses.replace(caps, kv_cache_dtypes=caps.kv_cache_dtypes | QUANTIZED_KV_CACHE)
+        if self.runtime == "torch":  # wint8/wint4 through torch's packed kernels
             caps = dataclasses.replace(caps, quantization=TORCH_QUANTIZATION)
         return caps
 
@@ -115,6 +118,7 @@ def fd_register_ops(registry):
 
 
 TORCH_QUANTIZATION = frozenset({"wint8", "wint4"})
+QUANTIZED_KV_CACHE = frozenset({"int8", "fp8_e4m3"})
 
 
 def _quantized_methods(quantization: str | None = None, **_: object) -> bool:

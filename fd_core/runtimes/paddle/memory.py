@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import paddle
 
+from fd_core.quantization.kv_cache import cache_layout
 from fd_core.runtimes.host import host_memory
 from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.paddle.ops import put_rows, take_rows
@@ -76,7 +77,8 @@ class PaddleMemory:
         head_dim: int,
         dtype: str,
     ) -> list[tuple[Tensor, Tensor]]:
-        shape = [num_blocks * block_size, num_kv_heads, head_dim]
+        row, dtype = cache_layout(dtype, head_dim)
+        shape = [num_blocks * block_size, num_kv_heads, row]
         return [
             (
                 paddle.zeros(shape, dtype=dtype, device=self.place),
@@ -96,7 +98,8 @@ class PaddleMemory:
     ) -> list[tuple[Tensor, Tensor]]:
         # page-locked beside a GPU, so the copies in and out run at full bus speed
         place = paddle.CUDAPinnedPlace() if isinstance(self.place, paddle.CUDAPlace) else paddle.CPUPlace()
-        shape = [num_blocks * block_size, num_kv_heads, head_dim]
+        row, dtype = cache_layout(dtype, head_dim)
+        shape = [num_blocks * block_size, num_kv_heads, row]
         return [
             (paddle.zeros(shape, dtype=dtype).to(place), paddle.zeros(shape, dtype=dtype).to(place))
             for _ in range(num_layers)

@@ -171,15 +171,49 @@ def _plan(
     )
 
 
+# A quantized KV cache (fd_core.quantization.kv_cache): int8 or uint8 rows of D values and a
+# float16 scale; the storage dtype names the format.
+_KV_TOP = {paddle.int8: 127.0, paddle.uint8: 448.0}
+
+
+def _kv_quantize(x: Tensor, storage: paddle.dtype) -> Tensor:
+    h = _f32(x)
+    top = _KV_TOP[storage]
+    scale = (h.abs().max(axis=-1, keepdim=True) / top).astype(paddle.float16)
+    rounded = scale.astype(paddle.float32)  # CPU Paddle has no float16 where
+    safe = paddle.where(rounded == 0, paddle.ones_like(rounded), rounded)
+    scaled = paddle.clip(h / safe, -top, top)
+    if storage == paddle.int8:
+        values = paddle.round(scaled).astype(paddle.int8)
+    else:
+        values = scaled.astype(paddle.float8_e4m3fn).view(paddle.uint8)
+    return paddle.concat([values, scale.view(storage)], axis=-1)
+
+
+def _kv_dequantize(rows: Tensor) -> Tensor:
+    scale = rows[..., -2:].contiguous().view(paddle.float16).astype(paddle.float32)
+    values = rows[..., :-2].contiguous()
+    if rows.dtype == paddle.int8:
+        decoded = values.astype(paddle.float32)
+    else:
+        decoded = values.view(paddle.float8_e4m3fn).astype(paddle.float32)
+    return decoded * scale
+
+
+def _write_cache(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
+    put_rows(cache, slots, _kv_quantize(rows, cache.dtype) if cache.dtype in _KV_TOP else rows)
+
+
 def _read(cache: Tensor, rows: Tensor) -> Tensor:
-    return _f32(take_rows(cache.reshape([-1, cache.shape[-1]]), rows))
+    gathered = take_rows(cache.reshape([-1, cache.shape[-1]]), rows)
+    return _kv_dequantize(gathered) if cache.dtype in _KV_TOP else _f32(gathered)
 
 
 def _decode_attention(
     q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float
 ) -> Tensor:
     """Single-token queries at once, over their caches padded to the longest."""
-    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
     shape = [d.count, num_kv_heads, d.length, head_dim]
     rows = q if d.queries is None else paddle.gather(q, d.queries)
     query = (rows * scale).reshape([d.count, num_kv_heads, -1, head_dim])  # [Sd, Hk, G, D]
@@ -194,7 +228,7 @@ def _prefill_attention(
     q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float
 ) -> Tensor:
     """A chunk of one sequence's new tokens over the tokens they can see."""
-    num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
     length = p.end - p.start
     # Query rows ordered (token, group) inside each kv head, so the mask broadcasts per token.
     query = (q[p.start : p.end] * scale).reshape([length, num_kv_heads, -1, head_dim])
@@ -219,8 +253,8 @@ def attention(
 ) -> Tensor:
     key_cache, value_cache = kv_cache
     plan = _plan(meta, key_cache.shape[1], q.shape[1] // key_cache.shape[1], key_cache.place)
-    put_rows(key_cache, plan.slot_mapping, k)
-    put_rows(value_cache, plan.slot_mapping, v)
+    _write_cache(key_cache, plan.slot_mapping, k)
+    _write_cache(value_cache, plan.slot_mapping, v)
     if plan.empty:  # no sequence of the step has a new token, so q has no rows
         return paddle.zeros_like(q)
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fd_core.quantization.kv_cache import cache_layout
 from fd_core.runtimes.host import host_memory
 from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.torch.ops import put_rows, take_rows, upload
@@ -93,8 +94,9 @@ class TorchMemory:
         head_dim: int,
         dtype: str,
     ) -> list[tuple[Tensor, Tensor]]:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        return self._zeros_cache(num_layers, shape, dtype, device=self.torch_device)
+        row, storage = cache_layout(dtype, head_dim)
+        return self._zeros_cache(num_layers, (num_blocks * block_size, num_kv_heads, row), storage,
+                                 device=self.torch_device)
 
     def allocate_host_kv_cache(
         self,
@@ -107,8 +109,9 @@ class TorchMemory:
     ) -> list[tuple[Tensor, Tensor]]:
         # Page-locked beside a GPU, so the copies in and out run at full bus speed and can be
         # asynchronous; pinning needs a CUDA context, so a CPU device keeps ordinary memory.
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        return self._zeros_cache(num_layers, shape, dtype, device="cpu", pin_memory=self.is_cuda)
+        row, storage = cache_layout(dtype, head_dim)
+        return self._zeros_cache(num_layers, (num_blocks * block_size, num_kv_heads, row), storage, device="cpu",
+                                 pin_memory=self.is_cuda)
 
     def swap_blocks(
         self,

@@ -10,8 +10,8 @@ cache already, new token ``j`` sits at position ``context_lens[i] + j`` and sees
 Kernels, in launch order (all on q's stream):
 
 1. ``_kv_write_kernel``, grid ``(N, cdiv(Hk, BLOCK_H))``: copies k[n], v[n] into slot
-   ``slot_mapping[n]`` of both caches, cast to the cache's dtype (a negative slot is skipped, as
-   padding tokens are in vLLM). It must finish before (2) reads the cache: later programs of (2)
+   ``slot_mapping[n]`` of both caches, cast to the cache's dtype or quantized to its format (a
+   negative slot is skipped, as padding tokens are in vLLM). It must finish before (2) reads the cache: later programs of (2)
    read new tokens that other programs' rows wrote, so it is not fused.
 
 2. ``_attention_kernel``, grid ``(items, Hk, num_splits)``. A *work item* is (sequence, first
@@ -39,6 +39,11 @@ Kernels, in launch order (all on q's stream):
    segments, one per program along grid axis 2. Each writes its unnormalised ``(m, l, acc)``
    to a float32 scratch, and ``_combine_kernel`` (grid ``(items, Hk)``) merges them with the
    log-sum-exp rule and writes the output rows.
+
+A quantized cache (int8 or uint8 rows of ``D`` values and a float16 scale,
+fd_core.quantization.kv_cache) is read as values converted to q's dtype (exact for int8 and
+e4m3 in 16-bit floats), with the row scales applied to the scores (K) and to the probabilities
+before ``PV`` (V), so the dots stay on 16-bit tensor cores.
 
 Host metadata is uploaded once per step into ``meta.device`` (int32, int64 slot mapping); the
 per-(Hk, G, D) launch plans are cached there too, so the per-layer host cost is the launches.
@@ -85,6 +90,7 @@ def _kv_write_kernel(
     vc_sh,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -93,11 +99,53 @@ def _kv_write_kernel(
     mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
     src = heads[:, None] * k_sh + d[None, :]
     kx = tl.load(k_ptr + tok * k_sn + src, mask=mask, other=0.0)
-    dst = kc_ptr + slot * kc_ss + heads[:, None] * kc_sh + d[None, :]
-    tl.store(dst, kx.to(tl.float32).to(kc_ptr.dtype.element_ty), mask=mask)
+    rows = kc_ptr + slot * kc_ss + heads * kc_sh
+    _store_rows(rows, kx.to(tl.float32), d, mask, head_dim, KV_QUANT)
     vx = tl.load(v_ptr + tok * v_sn + heads[:, None] * v_sh + d[None, :], mask=mask, other=0.0)
-    dst = vc_ptr + slot * vc_ss + heads[:, None] * vc_sh + d[None, :]
-    tl.store(dst, vx.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=mask)
+    rows = vc_ptr + slot * vc_ss + heads * vc_sh
+    _store_rows(rows, vx.to(tl.float32), d, mask, head_dim, KV_QUANT)
+
+
+# A quantized cache (fd_core.quantization.kv_cache): each row is D int8 values (KV_QUANT 1) or
+# float8 e4m3 bit patterns in uint8 (KV_QUANT 2), then its float16 scale in the last 2 bytes;
+# the scale maps the row's largest magnitude to 127 or 448. Bytes equal the specification's:
+# round-to-nearest divisions and ties-to-even rounding, as NumPy does.
+KV_FORMATS = {torch.int8: 1, torch.uint8: 2}  # the cache's storage dtype -> KV_QUANT
+_RINT = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |x| < 2**22 to even
+
+
+@triton.jit
+def _store_rows(rows, x, d, mask, head_dim, KV_QUANT: tl.constexpr):
+    """Store ``x`` ``[H, D]`` float32 at the cache rows starting at ``rows`` ``[H]``."""
+    if KV_QUANT == 0:
+        tl.store(rows[:, None] + d[None, :], x.to(rows.dtype.element_ty), mask=mask)
+    else:
+        top = 127.0 if KV_QUANT == 1 else 448.0
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), top).to(tl.float16)
+        safe = tl.where(scale == 0, 1.0, scale.to(tl.float32))
+        y = tl.clamp(tl.math.div_rn(x, safe[:, None]), -top, top)
+        if KV_QUANT == 1:
+            values = ((y + _RINT) - _RINT).to(tl.int8)
+        else:
+            values = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.store(rows[:, None] + d[None, :], values.to(rows.dtype.element_ty, bitcast=True), mask=mask)
+        row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
+        tl.store((rows + head_dim).to(tl.pointer_type(tl.float16)), scale, mask=row_ok)
+
+
+@triton.jit
+def _cache_values(x, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
+    """A tile of cache values as ``dtype`` (exact: int8 and e4m3 values fit 16-bit floats)."""
+    if KV_QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _cache_scales(head_ptr, slot, stride, HEAD_DIM: tl.constexpr, ok):
+    """The float16 scales (as float32) of the quantized rows ``slot`` of one kv head."""
+    ptr = (head_ptr + slot * stride + HEAD_DIM).to(tl.pointer_type(tl.float16))
+    return tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
 
 
 # The counts that change from step to step are not specialised on (Triton would compile a
@@ -138,6 +186,7 @@ def _attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     item = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -198,9 +247,14 @@ def _attention_kernel(
             mask=k_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        if DOT_F32:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+        if KV_QUANT:  # the values in q's dtype, the row scales on the scores
+            kt = _cache_values(kt, q.dtype, KV_QUANT)
+            k_scale = _cache_scales(kc_head, slot, kc_ss, HEAD_DIM, k_ok) * qk_scale
+            s = tl.dot(q, kt, input_precision=PRECISION) * k_scale[None, :]
+        else:
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+            s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
         visible = (pos[None, :] <= qpos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -213,9 +267,14 @@ def _attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if KV_QUANT:  # the row scales on the probabilities
+            v = _cache_values(v, q.dtype, KV_QUANT)
+            pv = p * _cache_scales(vc_head, slot, vc_ss, HEAD_DIM, k_ok)[None, :]
+        else:
+            if DOT_F32:
+                v = v.to(tl.float32)
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -474,7 +533,8 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """``key_cache[slot_mapping[n]] = k[n]`` (and v), cast to the cache dtype; slot < 0 skips."""
+    """``key_cache[slot_mapping[n]] = k[n]`` (and v), cast to the cache dtype or quantized to
+    its format (an int8 / uint8 cache); slot < 0 skips."""
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -499,11 +559,13 @@ def write_kv_cache(
         value_cache.stride(1),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        KV_QUANT=KV_FORMATS.get(key_cache.dtype, 0),
         num_warps=4 if block_h * block_d >= 1024 else 2,
     )
 
 
 def _check(q, k, v, key_cache, value_cache) -> None:
+    quantized = key_cache.dtype in KV_FORMATS
     for name, t in (
         ("q", q),
         ("k", k),
@@ -511,7 +573,8 @@ def _check(q, k, v, key_cache, value_cache) -> None:
         ("key_cache", key_cache),
         ("value_cache", value_cache),
     ):
-        check_float(f"attention {name}", t)
+        if not (quantized and name.endswith("cache")):
+            check_float(f"attention {name}", t)
         if t.dim() != 3:
             raise ValueError(f"attention: {name} must be 3-D, got {tuple(t.shape)}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -520,15 +583,16 @@ def _check(q, k, v, key_cache, value_cache) -> None:
     num_kv_heads = key_cache.shape[1]
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"attention: Hq={q.shape[1]} not a multiple of Hk={num_kv_heads}")
-    for name, t in (
-        ("k", k),
-        ("v", v),
-        ("key_cache", key_cache),
-        ("value_cache", value_cache),
+    row = head_dim + 2 if quantized else head_dim  # a quantized row ends in its float16 scale
+    for name, t, width in (
+        ("k", k, head_dim),
+        ("v", v, head_dim),
+        ("key_cache", key_cache, row),
+        ("value_cache", value_cache, row),
     ):
-        if t.shape[1:] != (num_kv_heads, head_dim):
+        if t.shape[1:] != (num_kv_heads, width):
             raise ValueError(
-                f"attention: {name} shape {tuple(t.shape)} vs [*, {num_kv_heads}, {head_dim}]"
+                f"attention: {name} shape {tuple(t.shape)} vs [*, {num_kv_heads}, {width}]"
             )
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError("attention: q, k, v need the same number of tokens")
@@ -566,8 +630,11 @@ def paged_attention(
     # Float32 dot operands when q is float32 or q and the cache differ in dtype ("wide": smaller
     # tiles). The interpreter also needs them for bfloat16: it runs tl.dot on the raw 16-bit
     # patterns (the tiles stay those a GPU would use).
-    wide = q.dtype == torch.float32 or q.dtype != key_cache.dtype
-    dot_f32 = wide or (interpreting() and torch.bfloat16 in (q.dtype, key_cache.dtype))
+    # A quantized cache's values are converted to q's dtype in the kernel.
+    kv_quant = KV_FORMATS.get(key_cache.dtype, 0)
+    cache_dtype = q.dtype if kv_quant else key_cache.dtype
+    wide = q.dtype == torch.float32 or q.dtype != cache_dtype
+    dot_f32 = wide or (interpreting() and torch.bfloat16 in (q.dtype, cache_dtype))
     precision = "ieee" if dot_f32 else "tf32"  # tf32 is ignored for 16-bit operands
     block_d = max(16, next_pow2(head_dim))
     qk_scale = float(scale) * LOG2E
@@ -621,6 +688,7 @@ def paged_attention(
             NUM_SPLITS=splits,
             DOT_F32=dot_f32,
             PRECISION=precision,
+            KV_QUANT=kv_quant,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
         )
