@@ -119,6 +119,22 @@ def test_torch_packed_linear_matches_the_spec(method, group, zeros, layout, rows
 # -- quantizing at load (--quantization) ----------------------------------------------------------
 
 
+def test_fp8_activations_round_per_row_and_128_columns():
+    """spec.fp8_activations (W8A8 block_wise_fp8) is torch's e4m3 cast of x / (max|x| / 448)
+    per row and 128-column block, partial last block and all-zero blocks included."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, 300)) * rng.uniform(0.01, 100, (7, 1))).astype(np.float32)
+    x[2, :128] = 0
+    blocks = torch.from_numpy(np.pad(x, ((0, 0), (0, 84)))).reshape(7, 3, 128)
+    scale = blocks.abs().amax(-1, keepdim=True) / 448.0
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    want = ((blocks / safe).to(torch.float8_e4m3fn).float() * scale).reshape(7, -1)[:, :300].numpy()
+    got = spec.fp8_activations(x)
+    assert np.array_equal(got, want) and not got[2, :128].any()
+    assert 0 < np.abs(got - x).max() <= np.abs(x).max() / 16
+
+
 def test_e4m3_rounding_is_torchs():
     """The NumPy float8 e4m3fn rounding gives the bits torch's cast gives: ties to even, the
     subnormals, saturation at 448, signs."""

@@ -1,5 +1,6 @@
 """Weight-only quantized ``linear``: ``y = x @ dequantize(w).T + bias`` reading 8-bit, 4-bit or
-FP8 weights straight from HBM, never a dequantized copy.
+FP8 weights straight from HBM, never a dequantized copy; on sm90, ``block_wise_fp8`` from
+``W8A8_MIN_ROWS`` rows as W8A8 instead (FP8 activations, ``w8a8_linear`` below).
 
 Layouts made once at load by ``pack_linear`` (the contract's ``QuantizedWeight.layout``):
 
@@ -198,13 +199,84 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
                                "cuda_w8")
     if weight.method == "block_wise_fp8":
         bits = weight.qweight if weight.qweight.dtype == torch.uint8 else weight.qweight.view(torch.uint8)
-        return QuantizedWeight("block_wise_fp8", bits.contiguous(), weight.scales.float().contiguous(), FP8_BLOCK,
-                               weight.shape, None, "cuda_fp8")
+        # scales padded to a multiple of 4 blocks along K (zeros), as cuBLAS's 128 x 128 recipe reads them
+        scales = weight.scales.float()
+        padded = torch.zeros((scales.shape[0], -(-scales.shape[1] // 4) * 4), dtype=torch.float32,
+                             device=scales.device)
+        padded[:, : scales.shape[1]] = scales
+        return QuantizedWeight("block_wise_fp8", bits.contiguous(), padded, FP8_BLOCK, weight.shape, None,
+                               "cuda_fp8")
     from fd_core.runtimes.torch.ops import dequantize
 
     # kept in bfloat16: the activations' dtype is not known here; linear casts if it differs
     return QuantizedWeight(weight.method, dequantize(weight, torch.bfloat16).contiguous(), weight.scales,
                            weight.group_size, weight.shape, None, "cuda_dense")
+
+
+# --- FP8 activations (W8A8) for block_wise_fp8 on sm90 -------------------------------------------
+# FastDeploy's block_wise_fp8 (and DeepSeek-V3's recipe): activations quantized to e4m3 per
+# (row, 128 columns) with scale max|x| / 448, the product on FP8 tensor cores with the weight's
+# 128 x 128 block scales (cuBLAS through torch._scaled_mm, CUDA >= 12.9, sm90 only).
+W8A8_MIN_ROWS = 16
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, M, M_PAD, K, stride_x, BLOCK: tl.constexpr):
+    """Row ``pid(0)``, columns ``pid(1) * BLOCK ..``: e4m3 values and their float32 scale, the
+    scales column-major ``[K / BLOCK, M_PAD]`` as cuBLAS's 1 x 128 recipe reads them."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * BLOCK + tl.arange(0, BLOCK)
+    ok = (cols < K) & (row < M)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0)
+    safe = tl.where(scale == 0, 1.0, scale)
+    q = tl.clamp(tl.math.div_rn(x, safe), -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + row * K + cols, q, mask=cols < K)
+    tl.store(s_ptr + g.to(tl.int64) * M_PAD + row, scale)
+
+
+def fp8_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2`` ``[M, K]`` as e4m3 ``[M_pad, K]`` and scales ``[M_pad, K / 128]`` (outer-dim-major),
+    ``M_pad`` the next multiple of 4 (cuBLAS); pad rows are zero."""
+    m, k = x2.shape
+    m_pad = -(-m // 4) * 4
+    q = torch.empty((m_pad, k), dtype=torch.float8_e4m3fn, device=x2.device)
+    scales = torch.empty((k // FP8_BLOCK, m_pad), dtype=torch.float32, device=x2.device)
+    _fp8_rows_kernel[(m_pad, k // FP8_BLOCK)](x2, q, scales, m, m_pad, k, x2.stride(0), BLOCK=FP8_BLOCK,
+                                              num_warps=1)
+    return q, scales.t()
+
+
+def _w8a8_ready(weight: QuantizedWeight, x: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    # in: whole groups of 4 blocks (cuBLAS refused 3 blocks with the scales' rows padded to 4;
+    # every model's widths here are multiples of 512)
+    return (weight.layout == "cuda_fp8" and x.dtype in _DOT_DTYPES and in_features % (4 * FP8_BLOCK) == 0
+            and out_features % FP8_BLOCK == 0 and _sm90(x.device))
+
+
+_SM90: dict[int, bool] = {}
+
+
+def _sm90(device: torch.device) -> bool:
+    index = device.index or 0
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _SM90[index]
+
+
+def w8a8_linear(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x2 @ w.T`` with ``x2`` quantized per (row, 128 columns): ``[M, out]`` in ``x2``'s dtype."""
+    out_features, in_features = weight.shape
+    q, scale_a = fp8_rows(x2)
+    groups = in_features // FP8_BLOCK
+    # the weight's block scales read K-major, [in / 128, out / 128] with unit stride along K;
+    # the rows padded to 4 blocks keep the other stride 16-byte aligned
+    scale_b = weight.scales[:, :groups].t()
+    w = weight.qweight.view(torch.float8_e4m3fn).t()
+    y = torch._scaled_mm(q, w, scale_a=scale_a, scale_b=scale_b, out_dtype=x2.dtype)
+    return y[: x2.shape[0]]
 
 
 Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages
@@ -252,6 +324,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     m = x2.shape[0]
     if not m:
         return x.new_empty((*shape[:-1], out_features))
+    if config is None and m >= W8A8_MIN_ROWS and _w8a8_ready(weight, x2):
+        y = w8a8_linear(x2, weight)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*shape[:-1], out_features)
     if config is None and m > (FUSED_MAX_ROWS_INT4 if kind == 1 else FUSED_MAX_ROWS):
         # compute-bound: cuBLAS on a dense copy made in one pass
         dense = dequantize(weight, dot_x.dtype)
