@@ -164,13 +164,15 @@ def test_fd_backends_and_doctor_show_the_runtimes():
     assert lines[0] == "device cpu (type cpu, runtime torch; also runs on paddle (--runtime))"
     optional = [name for name, s in OP_SPECS.items() if s.optional and name != "pack_linear"]
     assert lines[1] == "  for float32, any head size (--model applies one)"
+    assert lines[2] == ("  KV cache in bfloat16, float32, fp8_e4m3, int8 (--kv-cache-dtype); weights quantized with "
+                        "wint4, wint8 (--quantization)")
     # every op once, and linear / pack_linear again for each quantization method torch serves
     per_method = [f"{op}[{m}]" for m in ("wint4", "wint8") for op in ("linear", "pack_linear")]
-    names = [line.split()[0] for line in lines[2:]]
+    names = [line.split()[0] for line in lines[3:]]
     assert sorted(names) == sorted([op for op in OP_SPECS if op != "pack_linear"] + per_method)
-    assert all("torch-packed" in line for line in lines[2:] if line.split()[0] in per_method)
-    assert all("for the torch runtime" in line for line in lines[2:] if line.split()[0] not in optional)
-    assert all("optional, not provided" in line for line in lines[2:] if line.split()[0] in optional)
+    assert all("torch-packed" in line for line in lines[3:] if line.split()[0] in per_method)
+    assert all("for the torch runtime" in line for line in lines[3:] if line.split()[0] not in optional)
+    assert all("optional, not provided" in line for line in lines[3:] if line.split()[0] in optional)
 
 
 def test_cli_flag_reaches_the_config():

@@ -115,6 +115,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"device {platform.name} (type {platform.device_type}, runtime {platform.runtime}{also})")
     print(f"  for {args.dtype}, "
           + (f"head size {head_dim} ({args.model})" if head_dim else "any head size (--model applies one)"))
+    caps = platform.capabilities()
+    print(f"  KV cache in {', '.join(sorted(caps.kv_cache_dtypes))} (--kv-cache-dtype); weights quantized with "
+          f"{', '.join(sorted(caps.quantization)) or 'nothing'} (--quantization)")
     for op, impl, source, why in table.describe():
         print(f"  {op:<18} {impl:<20} {source:<16} {why}")
     return 0
