@@ -159,7 +159,7 @@ def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | 
 
     llm = LLM(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=args.prompt_len + args.output_len + 64,
               max_num_seqs=args.requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     out = {"kv_cache_blocks": engine.core.pool.num_blocks if hasattr(engine.core.pool, "num_blocks") else None}
 
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="fd's KV cache: auto (bfloat16), int8, fp8_e4m3")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of the throughput load; the median is reported")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="also run fd without graphs")
