@@ -4,6 +4,7 @@ asserts nothing about them (tests/test_kv_cache_quantization.py holds the bounds
 
     python benchmarks/kv_cache_quality.py [--model M] [--device cpu] [--runtime torch]
         [--dtype bfloat16] [--prompts 32] [--tokens 64] [--kv-cache-dtype int8 fp8_e4m3]
+        [--kv-cache-memory-gb G]
 
 Prompts are consecutive 32-token slices of the shipped Austen text (tests/data), or random token
 ids (``--random-prompts``, for random-weight models whose tokenizer knows no English), each
@@ -52,7 +53,8 @@ def main() -> None:
     ap.add_argument("--random-prompts", action="store_true", help="random token ids, not the Austen text")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["int8", "fp8_e4m3"])
-    ap.add_argument("--kv-cache-memory-gb", type=float, default=0.25, help="for the block counts")
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                    help="the KV cache's size (default: the engine's: 2 GiB, or profiled where the backend can)")
     ap.add_argument("--window", type=int, default=512, help="perplexity window")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
         start = time.perf_counter()
         llm = LLM(model=args.model, device=args.device, runtime=args.runtime, dtype=args.dtype,
                   kv_cache_dtype=kv, max_model_len=1024, max_num_seqs=args.prompts,
-                  kv_cache_memory_gb=args.kv_cache_memory_gb if args.device == "cpu" else None)
+                  kv_cache_memory_gb=args.kv_cache_memory_gb)
         tokenizer = llm.get_tokenizer()
         if prompts is None:
             prompts = (random_prompts(llm.engine.model_config.vocab_size, args.prompts) if args.random_prompts

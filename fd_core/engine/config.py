@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
+from fd_core.quantization.kv_cache import KV_QUANTIZED
 from fd_core.quantization.quantize import check_group_size, method_name
 
 GiB = 1 << 30
 # --kv-cache-dtype: "auto" keeps the cache in the model's dtype; the quantized ones are served
 # where a backend declares them in Capabilities.kv_cache_dtypes
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *KV_QUANTIZED)
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # where the platform proposes no budget of its own
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from fd_core.quantization.host import fp8_e4m3fn_values
-from fd_core.quantization.quantize import e4m3_bits
+from fd_core.quantization.quantize import FP8_MAX, e4m3_bits
 
-KV_QUANTIZED = {"int8": 127.0, "fp8_e4m3": 448.0}  # dtype -> the largest value a row maps to
+KV_QUANTIZED = {"int8": 127.0, "fp8_e4m3": FP8_MAX}  # dtype -> the largest value a row maps to
 SCALE_BYTES = 2
 
 
@@ -28,6 +28,7 @@ def row_bytes(dtype: str, head_dim: int) -> int:
 
 
 STORAGE = {"int8": np.int8, "fp8_e4m3": np.uint8}  # the cache tensor's dtype for each format
+STORAGE_FORMAT = {np.dtype(v).name: k for k, v in STORAGE.items()}  # "int8" / "uint8" -> the format
 
 
 def cache_layout(dtype: str, head_dim: int) -> tuple[int, str]:

@@ -78,15 +78,25 @@ def _nonzero(scales: np.ndarray) -> np.ndarray:
 
 
 def _fp8_blocks(w: np.ndarray) -> QuantizedWeight:
-    out_features, in_features = w.shape
-    rows, cols = -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)
-    padded = np.zeros((rows * FP8_BLOCK, cols * FP8_BLOCK), np.float32)
-    padded[:out_features, :in_features] = w
-    blocks = padded.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
-    scales = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX
+    bits, scales = fp8_blocks(w, FP8_BLOCK, FP8_BLOCK)
+    return QuantizedWeight("block_wise_fp8", bits, scales, FP8_BLOCK, w.shape)
+
+
+def fp8_blocks(x: np.ndarray, block_rows: int, block_cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` ``[rows, cols]`` in float8 e4m3fn with one float32 scale per ``block_rows x
+    block_cols`` block (partial at the edges) mapping its largest magnitude to 448: ``(bits
+    [rows, cols] uint8, scales [ceil(rows / block_rows), ceil(cols / block_cols)])``. The
+    weights' 128 x 128 blocks (``block_wise_fp8``) and the activations' 1 x 128 groups of W8A8
+    (``spec.fp8_activations``)."""
+    x = np.asarray(x, dtype=np.float32)
+    rows, cols = x.shape
+    nr, nc = -(-rows // block_rows), -(-cols // block_cols)
+    padded = np.zeros((nr * block_rows, nc * block_cols), np.float32)
+    padded[:rows, :cols] = x
+    blocks = padded.reshape(nr, block_rows, nc, block_cols)
+    scales = (np.abs(blocks).max(axis=(1, 3)) / np.float32(FP8_MAX)).astype(np.float32)
     scaled = blocks / _nonzero(scales)[:, None, :, None]
-    bits = e4m3_bits(scaled.reshape(padded.shape)[:out_features, :in_features])
-    return QuantizedWeight("block_wise_fp8", bits, scales.astype(np.float32), FP8_BLOCK, w.shape)
+    return e4m3_bits(scaled.reshape(padded.shape)[:rows, :cols]), scales
 
 
 def e4m3_bits(x: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from fd_core.quantization.host import dequantize, fp8_e4m3fn_values  # noqa: E40
 
 # the quantized KV cache's format (--kv-cache-dtype int8 / fp8_e4m3): one for the spec and the runtimes
 from fd_core.quantization.kv_cache import dequantize_rows, quantize_rows  # noqa: E402
-from fd_core.quantization.quantize import e4m3_bits  # noqa: E402
+from fd_core.quantization.quantize import fp8_blocks  # noqa: E402
 from fd_core.quantization.kv_cache import format_of as kv_format  # noqa: E402
 
 # Per-op tolerances (for np.testing.assert_allclose) of a float32 implementation against this
@@ -147,16 +147,8 @@ def fp8_activations(x: np.ndarray) -> np.ndarray:
     (FastDeploy's and DeepSeek-V3's recipe): per row and 128 columns, ``scale = max|x| / 448``
     (float32) and each value the nearest e4m3fn value of ``x / scale`` (scale 0 taken as 1),
     times the scale."""
-    x = np.asarray(x, dtype=np.float32)
-    n, k = x.shape
-    blocks = -(-k // FP8_BLOCK)
-    padded = np.zeros((n, blocks * FP8_BLOCK), dtype=np.float32)
-    padded[:, :k] = x
-    b = padded.reshape(n, blocks, FP8_BLOCK)
-    scale = (np.abs(b).max(-1, keepdims=True) / np.float32(448.0)).astype(np.float32)
-    safe = np.where(scale == 0, np.float32(1), scale)
-    values = fp8_e4m3fn_values()[e4m3_bits(b / safe)]
-    return (values * scale).reshape(n, -1)[:, :k]
+    bits, scales = fp8_blocks(x, 1, FP8_BLOCK)
+    return fp8_e4m3fn_values()[bits] * np.repeat(scales, FP8_BLOCK, axis=1)[:, : bits.shape[1]]
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:

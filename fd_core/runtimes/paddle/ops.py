@@ -23,6 +23,7 @@ from fd_core.interfaces.ops import (
     SampleOutput,
     SamplingBatch,
 )
+from fd_core.quantization.kv_cache import KV_QUANTIZED, SCALE_BYTES, STORAGE_FORMAT
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
 
@@ -173,7 +174,7 @@ def _plan(
 
 # A quantized KV cache (fd_core.quantization.kv_cache): int8 or uint8 rows of D values and a
 # float16 scale; the storage dtype names the format.
-_KV_TOP = {paddle.int8: 127.0, paddle.uint8: 448.0}
+_KV_TOP = {getattr(paddle, name): KV_QUANTIZED[fmt] for name, fmt in STORAGE_FORMAT.items()}
 
 
 def _kv_quantize(x: Tensor, storage: paddle.dtype) -> Tensor:
@@ -191,8 +192,8 @@ def _kv_quantize(x: Tensor, storage: paddle.dtype) -> Tensor:
 
 
 def _kv_dequantize(rows: Tensor) -> Tensor:
-    scale = rows[..., -2:].contiguous().view(paddle.float16).astype(paddle.float32)
-    values = rows[..., :-2].contiguous()
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(paddle.float16).astype(paddle.float32)
+    values = rows[..., :-SCALE_BYTES].contiguous()
     if rows.dtype == paddle.int8:
         decoded = values.astype(paddle.float32)
     else:

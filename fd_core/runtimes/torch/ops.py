@@ -25,6 +25,7 @@ from fd_core.interfaces.ops import (
     SampleOutput,
     SamplingBatch,
 )
+from fd_core.quantization.kv_cache import KV_QUANTIZED, SCALE_BYTES, STORAGE_FORMAT
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
 
@@ -183,7 +184,7 @@ def _plan(
 
 # A quantized KV cache (fd_core.quantization.kv_cache): int8 or uint8 rows of D values and a
 # float16 scale; the storage dtype names the format.
-_KV_TOP = {torch.int8: 127.0, torch.uint8: 448.0}
+_KV_TOP = {getattr(torch, name): KV_QUANTIZED[fmt] for name, fmt in STORAGE_FORMAT.items()}
 
 
 def _kv_quantize(x: Tensor, storage: torch.dtype) -> Tensor:
@@ -199,8 +200,8 @@ def _kv_quantize(x: Tensor, storage: torch.dtype) -> Tensor:
 
 
 def _kv_dequantize(rows: Tensor) -> Tensor:
-    scale = rows[..., -2:].contiguous().view(torch.float16).float()
-    values = rows[..., :-2]
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
+    values = rows[..., :-SCALE_BYTES]
     decoded = values.float() if rows.dtype == torch.int8 else values.view(torch.float8_e4m3fn).float()
     return decoded * scale
 
