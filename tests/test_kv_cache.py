@@ -82,7 +82,7 @@ def test_a_quantized_cache_survives_prefix_caching_chunking_and_swap(model_dir, 
     args = dict(runtime=runtime, kv_cache_dtype=kv)
     reference, engine, _ = run(model_dir, GREEDY, num_kv_blocks=1024, enable_prefix_caching=False,
                                enable_chunked_prefill=False, **args)
-    assert engine.runner.kv_caches[0][0].shape[-1] == 16 + 2  # head_dim values and a float16 scale
+    assert engine.runner.kv_caches[0][0].shape[-1] == 16 + 2  # head_dim values and a float16 scale a slot
     cached, engine, _ = run(model_dir, GREEDY, num_kv_blocks=1024, max_num_batched_tokens=7, **args)
     assert engine.pool.hit_tokens > 0 and cached == reference
     swap, engine, _ = run(model_dir, GREEDY, num_kv_blocks=TIGHT, swap_space=0.05, **args)

@@ -18,8 +18,12 @@ from fd_core.errors import ConfigError
 from fd_core.quantization.kv_cache import (
     cache_layout,
     dequantize_rows,
+    planes,
     quantize_rows,
+    quantized_cache,
+    read_slots,
     row_bytes,
+    write_slots,
 )
 from fd_core.runtimes import reference_capabilities
 
@@ -30,9 +34,9 @@ def test_rows_keep_their_range_and_round_within_half_a_step(kv, storage, bound):
     x = rng.standard_normal((5, 3, 64)).astype(np.float32) * np.array([1e-3, 1.0, 300.0])[None, :, None]
     x[0, 0] = 0.0  # an all-zero row: scale 0, values 0
     x[1, 1, 7] = 40.0  # an outlier sets its row's scale alone
-    rows = quantize_rows(x, kv)
-    assert rows.dtype == storage and rows.shape == (5, 3, 66)
-    back = dequantize_rows(rows)
+    codes, scales = quantize_rows(x, kv)
+    assert codes.dtype == storage and codes.shape == (5, 3, 64) and scales.dtype == np.float16
+    back = dequantize_rows(codes, scales)
     assert not back[0, 0].any()
     top = np.abs(x).max(-1, keepdims=True)
     # int8: half a step of the row's scale; e4m3: 3 mantissa bits, relative to the value (or the
@@ -42,7 +46,6 @@ def test_rows_keep_their_range_and_round_within_half_a_step(kv, storage, bound):
     else:
         assert np.all(np.abs(back - x) <= np.abs(x) * (bound + 2**-10) + top / 448 * 2**-9 + 1e-12)
     # the largest magnitude of each row maps to the format's largest value
-    codes = rows[..., :64]
     largest = np.abs(codes.astype(np.int32)).max(-1) if kv == "int8" else (codes & 0x7F).max(-1)
     assert np.all(largest[np.abs(x).max(-1) > 0] == (127 if kv == "int8" else 0x7E))
 
@@ -53,6 +56,30 @@ def test_block_bytes_give_at_least_1_9x_the_blocks_of_bfloat16():
         assert ratio >= 1.9 and row_bytes("int8", head_dim) == row_bytes("fp8_e4m3", head_dim) == head_dim + 2
     assert cache_layout("int8", 64) == (66, "int8") and cache_layout("fp8_e4m3", 64) == (66, "uint8")
     assert cache_layout("bfloat16", 64) == (64, "bfloat16")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_each_block_holds_a_plane_of_values_then_a_plane_of_scales(kv):
+    """The values of a (slot, head) start at a multiple of D bytes, so kernels load them aligned;
+    writes through the planes land in the cache, and slots read back what was written."""
+    block_size, heads, head_dim = 4, 3, 16
+    x = np.random.default_rng(1).standard_normal((2 * block_size, heads, head_dim)).astype(np.float32)
+    cache = quantized_cache(x, kv, block_size)
+    assert cache.shape == (2 * block_size, heads, head_dim + 2)
+    raw = cache.view(np.uint8).reshape(2, -1)  # one row of bytes per block
+    codes, scales = quantize_rows(x, kv)
+    split = block_size * heads * head_dim
+    for b in range(2):
+        slots = slice(b * block_size, (b + 1) * block_size)
+        assert np.array_equal(raw[b, :split], codes[slots].view(np.uint8).reshape(-1))
+        assert np.array_equal(raw[b, split:].view(np.float16), scales[slots].reshape(-1))
+    values, scale_plane = planes(cache, block_size)
+    assert np.shares_memory(values, cache) and np.shares_memory(scale_plane, cache)
+    order = np.array([5, 0, 7, 2])
+    np.testing.assert_array_equal(read_slots(cache, block_size, order), dequantize_rows(codes[order], scales[order]))
+    fresh = np.zeros_like(cache)
+    write_slots(fresh, block_size, order[::-1], x[order[::-1]])
+    assert np.array_equal(read_slots(fresh, block_size, order), read_slots(cache, block_size, order))
 
 
 def test_an_undeclared_quantized_cache_names_the_flag_and_the_backend():

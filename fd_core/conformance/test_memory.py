@@ -51,8 +51,8 @@ def test_kv_cache_layout_and_zero_fill(fd_backend):
                     f"{dtype} cache shape {host.shape}, the contract's layout is "
                     f"[num_blocks * block_size, num_kv_heads, head_dim] = {[SLOTS, KV_HEADS, HEAD_DIM]}")
                 assert not host.any(), "allocate_kv_cache must zero-fill"
-    # a declared int8 / fp8_e4m3 cache: rows of head_dim values and a float16 scale, in the
-    # storage dtype that names the format (fd_core.quantization.kv_cache)
+    # a declared int8 / fp8_e4m3 cache: per block a plane of values and one of float16 scales,
+    # in the storage dtype that names the format (fd_core.quantization.kv_cache)
     for kv in sorted(fd_backend.capabilities.kv_cache_dtypes & KV_QUANTIZED.keys()):
         row, storage = cache_layout(kv, HEAD_DIM)
         for key, value in _kv(memory, kv):
@@ -60,7 +60,7 @@ def test_kv_cache_layout_and_zero_fill(fd_backend):
                 host = np.asarray(memory.to_numpy(t))
                 assert host.shape == (SLOTS, KV_HEADS, row) and host.dtype == np.dtype(storage), (
                     f"{kv} cache: {host.dtype} {host.shape}, the format is {storage} "
-                    f"{[SLOTS, KV_HEADS, row]} (head_dim values, then a float16 scale)")
+                    f"{[SLOTS, KV_HEADS, row]} (each block: a plane of values, then one of float16 scales)")
                 assert not host.any(), "allocate_kv_cache must zero-fill"
 
 

@@ -24,7 +24,7 @@ from fd_core.interfaces import (
     SampleOutput,
 )
 from fd_core.plugins.ops import op_context
-from fd_core.quantization.kv_cache import KV_QUANTIZED, quantize_rows
+from fd_core.quantization.kv_cache import KV_QUANTIZED, quantized_cache
 from fd_core.quantization.quantize import quantize
 from fd_core.testing import spec
 from fd_core.testing.batches import make_sampling_batch
@@ -216,7 +216,8 @@ def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     (hq, hk), d = p["heads"], case.head_dim
     meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
     if p.get("kv_cache_dtype"):  # a quantized cache (fd_core.quantization.kv_cache's format)
-        key_cache, value_cache = (quantize_rows(c, p["kv_cache_dtype"]) for c in (key_cache, value_cache))
+        key_cache, value_cache = (quantized_cache(c, p["kv_cache_dtype"], p["block_size"])
+                                  for c in (key_cache, value_cache))
     n = int(meta.query_start_loc[-1])
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))

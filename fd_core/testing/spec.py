@@ -22,7 +22,7 @@ from fd_core.interfaces.ops import (
 from fd_core.quantization.host import dequantize, fp8_e4m3fn_values  # noqa: E402, F401
 
 # the quantized KV cache's format (--kv-cache-dtype int8 / fp8_e4m3): one for the spec and the runtimes
-from fd_core.quantization.kv_cache import dequantize_rows, quantize_rows  # noqa: E402
+from fd_core.quantization.kv_cache import read_slots, write_slots  # noqa: E402
 from fd_core.quantization.quantize import fp8_blocks  # noqa: E402
 from fd_core.quantization.kv_cache import format_of as kv_format  # noqa: E402
 
@@ -169,10 +169,13 @@ def attention(
     quantized = kv_format(key_cache.dtype)  # an int8 / uint8 cache: fd_core.quantization.kv_cache
 
     def write(cache: np.ndarray, rows: np.ndarray) -> None:
-        cache[meta.slot_mapping] = quantize_rows(rows, quantized) if quantized else rows.astype(cache.dtype)
+        if quantized:
+            write_slots(cache, meta.block_size, meta.slot_mapping, rows)
+        else:
+            cache[meta.slot_mapping] = rows.astype(cache.dtype)
 
     def read(cache: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        return dequantize_rows(cache[slots]) if quantized else cache[slots].astype(np.float32)
+        return read_slots(cache, meta.block_size, slots) if quantized else cache[slots].astype(np.float32)
 
     write(key_cache, k)
     write(value_cache, v)

@@ -29,15 +29,19 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def timed(fn, iters: int = 20) -> float:
     """Microseconds per call on the GPU alone: ``iters`` calls captured in one CUDA graph (as a
-    decode step runs), so the host's launch cost is not counted; the median of 5 replays."""
+    decode step runs), so the host's launch cost is not counted; the median of 5 replays.
+    ``fn`` may be a list of calls (each once per iteration: different weights, as layers are)."""
+    calls = fn if isinstance(fn, list) else [fn]
     for _ in range(3):
-        fn()
+        for call in calls:
+            call()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         for _ in range(iters):
-            fn()
+            for call in calls:
+                call()
     torch.cuda.current_stream().wait_stream(stream)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -46,7 +50,7 @@ def timed(fn, iters: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
+        times.append(start.elapsed_time(end) * 1e3 / (iters * len(calls)))
     return float(np.median(times))
 
 

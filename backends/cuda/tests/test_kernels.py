@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
 
 from fd_core.interfaces.ops import AttentionMetadata
-from fd_core.quantization.kv_cache import quantize_rows
+from fd_core.quantization.kv_cache import quantized_cache, write_slots
 from fd_core.testing import spec
 
 from fd_backend_cuda import ops
@@ -387,7 +387,7 @@ def run_quantized_cache(seqs, heads, head_dim, block_size, dtype, kv, seed=0, nu
     n = int(meta.query_start_loc[-1])
     q, k, v = (rand((n, h, head_dim), dtype, seed + i) for i, h in enumerate((hq, hk, hk), 1))
     shape = (num_blocks * block_size, hk, head_dim)
-    spec_cache = tuple(quantize_rows(host(rand(shape, torch.float32, seed + i)), kv) for i in (4, 5))
+    spec_cache = tuple(quantized_cache(host(rand(shape, torch.float32, seed + i)), kv, block_size) for i in (4, 5))
     key_cache, value_cache = (torch.from_numpy(c.copy()).to(DEVICE) for c in spec_cache)
     scale = head_dim**-0.5
     want = spec.attention(host(q), host(k), host(v), spec_cache, meta, scale)
@@ -426,9 +426,20 @@ def test_write_kv_cache_skips_negative_slots():
     v = rand((3, 2, 16), torch.float32, 2)
     kc = torch.zeros((8, 2, 16), device=DEVICE)
     vc = torch.zeros((8, 2, 16), device=DEVICE)
-    write_kv_cache(k, v, kc, vc, torch.tensor([5, -1, 0], dtype=torch.int64, device=DEVICE))
+    write_kv_cache(k, v, kc, vc, torch.tensor([5, -1, 0], dtype=torch.int64, device=DEVICE), 4)
     assert torch.equal(kc[5], k[0]) and torch.equal(kc[0], k[2]) and torch.equal(vc[5], v[0])
     assert torch.count_nonzero(kc[1:5]) == 0 and torch.count_nonzero(kc[6:]) == 0
+
+
+def test_write_kv_cache_quantized_skips_negative_slots():
+    k = rand((3, 2, 16), torch.float32, 1)
+    kc = torch.zeros((8, 2, 18), dtype=torch.int8, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    slots = np.array([5, -1, 0])
+    write_kv_cache(k, k, kc, vc, torch.tensor(slots, dtype=torch.int64, device=DEVICE), 4)
+    want = np.zeros((8, 2, 18), dtype=np.int8)
+    write_slots(want, 4, slots[slots >= 0], host(k)[slots >= 0])
+    np.testing.assert_array_equal(host(kc), want)
 
 
 def test_supports():

@@ -23,7 +23,12 @@ from fd_core.interfaces.ops import (
     SampleOutput,
     SamplingBatch,
 )
-from fd_core.quantization.kv_cache import KV_QUANTIZED, SCALE_BYTES, STORAGE_FORMAT
+from fd_core.quantization.kv_cache import (
+    KV_QUANTIZED,
+    SCALE_BYTES,
+    STORAGE_FORMAT,
+    plane_offsets,
+)
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
 
@@ -172,61 +177,93 @@ def _plan(
     )
 
 
-# A quantized KV cache (fd_core.quantization.kv_cache): int8 or uint8 rows of D values and a
-# float16 scale; the storage dtype names the format.
+# A quantized KV cache (fd_core.quantization.kv_cache): per block, a plane of int8 / uint8
+# values and a plane of float16 scales; the storage dtype names the format.
 _KV_TOP = {getattr(paddle, name): KV_QUANTIZED[fmt] for name, fmt in STORAGE_FORMAT.items()}
 
 
-def _kv_quantize(x: Tensor, storage: paddle.dtype) -> Tensor:
+def _kv_planes(cache: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Views of a quantized cache (writes reach the cache): values ``[blocks, block_size * Hk,
+    D]`` and the float16 scales' bits as int16 ``[blocks, block_size * Hk]``, both indexed by
+    (block, offset * Hk + head)."""
+    slots, heads, row = cache.shape
+    head_dim = row - SCALE_BYTES
+    block, split = plane_offsets(block_size, heads, head_dim)
+    flat = cache.reshape([slots // block_size, block])
+    values = flat[:, :split].reshape([-1, block_size * heads, head_dim])
+    # int16, viewed before slicing: CPU Paddle has no float16 gather_nd / index_put, and 3.3's
+    # dtype view of an offset slice loses the offset
+    return values, flat.view(paddle.int16)[:, split // 2 :]
+
+
+def _kv_index(rows: Tensor, per_block: int) -> tuple[Tensor, Tensor]:
+    return rows // per_block, rows % per_block
+
+
+def _kv_write(cache: Tensor, slots: Tensor, x: Tensor, block_size: int) -> None:
     h = _f32(x)
-    top = _KV_TOP[storage]
+    top = _KV_TOP[cache.dtype]
     scale = (h.abs().max(axis=-1, keepdim=True) / top).astype(paddle.float16)
     rounded = scale.astype(paddle.float32)  # CPU Paddle has no float16 where
     safe = paddle.where(rounded == 0, paddle.ones_like(rounded), rounded)
     scaled = paddle.clip(h / safe, -top, top)
-    if storage == paddle.int8:
+    if cache.dtype == paddle.int8:
         values = paddle.round(scaled).astype(paddle.int8)
     else:
         values = scaled.astype(paddle.float8_e4m3fn).view(paddle.uint8)
-    return paddle.concat([values, scale.view(storage)], axis=-1)
+    heads = cache.shape[1]
+    rows = (slots.astype(paddle.int64)[:, None] * heads + paddle.arange(heads, dtype=paddle.int64)).reshape([-1])
+    at = _kv_index(rows, block_size * heads)
+    value_plane, scale_plane = _kv_planes(cache, block_size)
+    paddle.index_put_(value_plane, at, values.reshape([rows.shape[0], -1]))
+    paddle.index_put_(scale_plane, at, scale.reshape([-1]).view(paddle.int16))
 
 
-def _kv_dequantize(rows: Tensor) -> Tensor:
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(paddle.float16).astype(paddle.float32)
-    values = rows[..., :-SCALE_BYTES].contiguous()
-    if rows.dtype == paddle.int8:
+def _kv_read(cache: Tensor, rows: Tensor, block_size: int) -> Tensor:
+    """``[len(rows), D]`` float32 of the (slot * Hk + head) ``rows``."""
+    at = paddle.stack(_kv_index(rows.astype(paddle.int64), block_size * cache.shape[1]), axis=-1)
+    value_plane, scale_plane = _kv_planes(cache, block_size)
+    values = paddle.gather_nd(value_plane, at)
+    if cache.dtype == paddle.int8:
         decoded = values.astype(paddle.float32)
     else:
         decoded = values.view(paddle.float8_e4m3fn).astype(paddle.float32)
-    return decoded * scale
+    scales = paddle.gather_nd(scale_plane, at).view(paddle.float16).astype(paddle.float32)
+    return decoded * scales[:, None]
 
 
-def _write_cache(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
-    put_rows(cache, slots, _kv_quantize(rows, cache.dtype) if cache.dtype in _KV_TOP else rows)
+def _write_cache(cache: Tensor, slots: Tensor, rows: Tensor, block_size: int) -> None:
+    if cache.dtype in _KV_TOP:
+        _kv_write(cache, slots, rows, block_size)
+    else:
+        put_rows(cache, slots, rows)
 
 
-def _read(cache: Tensor, rows: Tensor) -> Tensor:
-    gathered = take_rows(cache.reshape([-1, cache.shape[-1]]), rows)
-    return _kv_dequantize(gathered) if cache.dtype in _KV_TOP else _f32(gathered)
+def _read(cache: Tensor, rows: Tensor, block_size: int) -> Tensor:
+    if cache.dtype in _KV_TOP:
+        return _kv_read(cache, rows, block_size)
+    return _f32(take_rows(cache.reshape([-1, cache.shape[-1]]), rows))
 
 
 def _decode_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float,
+    block_size: int
 ) -> Tensor:
     """Single-token queries at once, over their caches padded to the longest."""
     num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
     shape = [d.count, num_kv_heads, d.length, head_dim]
     rows = q if d.queries is None else paddle.gather(q, d.queries)
     query = (rows * scale).reshape([d.count, num_kv_heads, -1, head_dim])  # [Sd, Hk, G, D]
-    scores = paddle.matmul(query, _read(key_cache, d.rows).reshape(shape), transpose_y=True)
+    scores = paddle.matmul(query, _read(key_cache, d.rows, block_size).reshape(shape), transpose_y=True)
     if d.bias is not None:
         scores = scores + d.bias
-    out = paddle.matmul(F.softmax(scores, axis=-1), _read(value_cache, d.rows).reshape(shape))
+    out = paddle.matmul(F.softmax(scores, axis=-1), _read(value_cache, d.rows, block_size).reshape(shape))
     return out.reshape([d.count, -1, head_dim])
 
 
 def _prefill_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float,
+    block_size: int
 ) -> Tensor:
     """A chunk of one sequence's new tokens over the tokens they can see."""
     num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
@@ -235,11 +272,11 @@ def _prefill_attention(
     query = (q[p.start : p.end] * scale).reshape([length, num_kv_heads, -1, head_dim])
     group = query.shape[2]
     query = query.transpose([1, 0, 2, 3]).reshape([num_kv_heads, length * group, head_dim])
-    keys = _read(key_cache, p.rows).reshape([num_kv_heads, -1, head_dim])  # [Hk, T, D]
+    keys = _read(key_cache, p.rows, block_size).reshape([num_kv_heads, -1, head_dim])  # [Hk, T, D]
     scores = paddle.matmul(query, keys, transpose_y=True)  # [Hk, L*G, T]
     scores = scores.reshape([num_kv_heads, length, group, -1]) + p.bias
     probs = F.softmax(scores, axis=-1).reshape([num_kv_heads, length * group, -1])
-    values = _read(value_cache, p.rows).reshape([num_kv_heads, -1, head_dim])
+    values = _read(value_cache, p.rows, block_size).reshape([num_kv_heads, -1, head_dim])
     out = paddle.matmul(probs, values).reshape([num_kv_heads, length, group, head_dim])
     return out.transpose([1, 0, 2, 3]).reshape([length, -1, head_dim])
 
@@ -254,15 +291,15 @@ def attention(
 ) -> Tensor:
     key_cache, value_cache = kv_cache
     plan = _plan(meta, key_cache.shape[1], q.shape[1] // key_cache.shape[1], key_cache.place)
-    _write_cache(key_cache, plan.slot_mapping, k)
-    _write_cache(value_cache, plan.slot_mapping, v)
+    _write_cache(key_cache, plan.slot_mapping, k, meta.block_size)
+    _write_cache(value_cache, plan.slot_mapping, v, meta.block_size)
     if plan.empty:  # no sequence of the step has a new token, so q has no rows
         return paddle.zeros_like(q)
 
     query = _f32(q)
-    pieces = [_decode_attention(query, key_cache, value_cache, d, scale) for d in plan.decodes]
+    pieces = [_decode_attention(query, key_cache, value_cache, d, scale, meta.block_size) for d in plan.decodes]
     for chunk in plan.chunks:
-        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale))
+        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale, meta.block_size))
     out = pieces[0] if len(pieces) == 1 else paddle.concat(pieces, axis=0)
     if plan.order is not None:
         out = paddle.gather(out, plan.order)
@@ -408,7 +445,7 @@ def _draw_weights(x: Tensor, batch: SamplingBatch, rows: np.ndarray) -> Tensor:
     (temperature, top-k, top-p, min-p). The draw is an argmax, so they need no normalising."""
     place = x.place
     vocab = x.shape[1]
-    column = lambda a: _upload(a[rows].astype(np.float32)[:, None], place)  # noqa: E731
+    column = lambda a: _upload(a[rows].astype(np.float32)[:, None], place)
     # Subtracting the max first keeps a tiny temperature from overflowing to inf - inf.
     z = (x - paddle.max(x, axis=-1, keepdim=True)) / column(batch.temperature)
 

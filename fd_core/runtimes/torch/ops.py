@@ -25,7 +25,12 @@ from fd_core.interfaces.ops import (
     SampleOutput,
     SamplingBatch,
 )
-from fd_core.quantization.kv_cache import KV_QUANTIZED, SCALE_BYTES, STORAGE_FORMAT
+from fd_core.quantization.kv_cache import (
+    KV_QUANTIZED,
+    SCALE_BYTES,
+    STORAGE_FORMAT,
+    plane_offsets,
+)
 from fd_core.runtimes import host_plan
 from fd_core.runtimes.host_plan import AttentionPlan, Chunk, Decodes, device_plan
 
@@ -182,56 +187,81 @@ def _plan(
     )
 
 
-# A quantized KV cache (fd_core.quantization.kv_cache): int8 or uint8 rows of D values and a
-# float16 scale; the storage dtype names the format.
+# A quantized KV cache (fd_core.quantization.kv_cache): per block, a plane of int8 / uint8
+# values and a plane of float16 scales; the storage dtype names the format.
 _KV_TOP = {getattr(torch, name): KV_QUANTIZED[fmt] for name, fmt in STORAGE_FORMAT.items()}
 
 
-def _kv_quantize(x: Tensor, storage: torch.dtype) -> Tensor:
+def _kv_planes(cache: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Views of a quantized cache: values ``[blocks, block_size * Hk, D]`` and scales
+    ``[blocks, block_size * Hk]`` float16, indexed by (block, offset * Hk + head)."""
+    slots, heads, row = cache.shape
+    head_dim = row - SCALE_BYTES
+    block, split = plane_offsets(block_size, heads, head_dim)
+    flat = cache.view(slots // block_size, block)
+    values = flat[:, :split].unflatten(1, (block_size * heads, head_dim))
+    return values, flat[:, split:].view(torch.float16)
+
+
+def _kv_write(cache: Tensor, slots: Tensor, x: Tensor, block_size: int) -> None:
     h = _f32(x)
-    top = _KV_TOP[storage]
+    top = _KV_TOP[cache.dtype]
     scale = (h.abs().amax(-1, keepdim=True) / top).to(torch.float16)
     scaled = torch.clamp(h / torch.where(scale == 0, 1.0, scale.float()), -top, top)
-    if storage == torch.int8:
+    if cache.dtype == torch.int8:
         values = torch.round(scaled).to(torch.int8)
     else:
         values = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([values, scale.view(storage)], dim=-1)
+    heads = cache.shape[1]
+    rows = (slots[:, None] * heads + torch.arange(heads, device=slots.device)).reshape(-1)
+    at = (rows // (block_size * heads), rows % (block_size * heads))
+    value_plane, scale_plane = _kv_planes(cache, block_size)
+    value_plane.index_put_(at, values.reshape(len(rows), -1))
+    scale_plane.index_put_(at, scale.reshape(-1))
 
 
-def _kv_dequantize(rows: Tensor) -> Tensor:
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
-    values = rows[..., :-SCALE_BYTES]
-    decoded = values.float() if rows.dtype == torch.int8 else values.view(torch.float8_e4m3fn).float()
-    return decoded * scale
+def _kv_read(cache: Tensor, rows: Tensor, block_size: int) -> Tensor:
+    """``[len(rows), D]`` float32 of the (slot * Hk + head) ``rows``."""
+    per_block = block_size * cache.shape[1]
+    at = (rows // per_block, rows % per_block)
+    value_plane, scale_plane = _kv_planes(cache, block_size)
+    values = value_plane[at]
+    decoded = values.float() if cache.dtype == torch.int8 else values.view(torch.float8_e4m3fn).float()
+    return decoded * scale_plane[at].float()[:, None]
 
 
-def _write_cache(cache: Tensor, slots: Tensor, rows: Tensor) -> None:
-    put_rows(cache, slots, _kv_quantize(rows, cache.dtype) if cache.dtype in _KV_TOP else rows)
+def _write_cache(cache: Tensor, slots: Tensor, rows: Tensor, block_size: int) -> None:
+    if cache.dtype in _KV_TOP:
+        _kv_write(cache, slots, rows, block_size)
+    else:
+        put_rows(cache, slots, rows)
 
 
-def _read(cache: Tensor, rows: Tensor) -> Tensor:
-    gathered = take_rows(cache.reshape(-1, cache.shape[-1]), rows)
-    return _kv_dequantize(gathered) if cache.dtype in _KV_TOP else _f32(gathered)
+def _read(cache: Tensor, rows: Tensor, block_size: int) -> Tensor:
+    if cache.dtype in _KV_TOP:
+        return _kv_read(cache, rows, block_size)
+    return _f32(take_rows(cache.reshape(-1, cache.shape[-1]), rows))
 
 
 def _decode_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, d: Decodes[Tensor], scale: float,
+    block_size: int
 ) -> Tensor:
     """Single-token queries at once, over their caches padded to the longest."""
     num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
     shape = (d.count, num_kv_heads, d.length, head_dim)
     rows = q if d.queries is None else take_rows(q, d.queries)
     query = (rows * scale).reshape(d.count, num_kv_heads, -1, head_dim)  # [Sd, Hk, G, D]
-    scores = query @ _read(key_cache, d.rows).reshape(shape).transpose(-1, -2)
+    scores = query @ _read(key_cache, d.rows, block_size).reshape(shape).transpose(-1, -2)
     if d.bias is not None:
         scores = scores + d.bias
-    out = torch.softmax(scores, dim=-1) @ _read(value_cache, d.rows).reshape(shape)
+    out = torch.softmax(scores, dim=-1) @ _read(value_cache, d.rows, block_size).reshape(shape)
     return out.reshape(d.count, -1, head_dim)
 
 
 def _prefill_attention(
-    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, p: Chunk[Tensor], scale: float,
+    block_size: int
 ) -> Tensor:
     """A chunk of one sequence's new tokens over the tokens they can see."""
     num_kv_heads, head_dim = key_cache.shape[1], q.shape[-1]
@@ -240,10 +270,10 @@ def _prefill_attention(
     query = (q[p.start : p.end] * scale).reshape(length, num_kv_heads, -1, head_dim)
     group = query.shape[2]
     query = query.transpose(0, 1).reshape(num_kv_heads, length * group, head_dim)
-    keys = _read(key_cache, p.rows).reshape(num_kv_heads, -1, head_dim)  # [Hk, T, D]
+    keys = _read(key_cache, p.rows, block_size).reshape(num_kv_heads, -1, head_dim)  # [Hk, T, D]
     scores = (query @ keys.transpose(-1, -2)).reshape(num_kv_heads, length, group, -1) + p.bias
     probs = torch.softmax(scores, dim=-1).reshape(num_kv_heads, length * group, -1)
-    values = _read(value_cache, p.rows).reshape(num_kv_heads, -1, head_dim)
+    values = _read(value_cache, p.rows, block_size).reshape(num_kv_heads, -1, head_dim)
     out = (probs @ values).reshape(num_kv_heads, length, group, head_dim)
     return out.transpose(0, 1).reshape(length, -1, head_dim)
 
@@ -258,15 +288,15 @@ def attention(
 ) -> Tensor:
     key_cache, value_cache = kv_cache
     plan = _plan(meta, key_cache.shape[1], key_cache.device)
-    _write_cache(key_cache, plan.slot_mapping, k)
-    _write_cache(value_cache, plan.slot_mapping, v)
+    _write_cache(key_cache, plan.slot_mapping, k, meta.block_size)
+    _write_cache(value_cache, plan.slot_mapping, v, meta.block_size)
     if plan.empty:  # no sequence of the step has a new token, so q has no rows
         return torch.zeros_like(q)
 
     query = _f32(q)
-    pieces = [_decode_attention(query, key_cache, value_cache, d, scale) for d in plan.decodes]
+    pieces = [_decode_attention(query, key_cache, value_cache, d, scale, meta.block_size) for d in plan.decodes]
     for chunk in plan.chunks:
-        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale))
+        pieces.append(_prefill_attention(query, key_cache, value_cache, chunk, scale, meta.block_size))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     if plan.order is not None:
         out = take_rows(out, plan.order)

@@ -40,7 +40,7 @@ Kernels, in launch order (all on q's stream):
    to a float32 scratch, and ``_combine_kernel`` (grid ``(items, Hk)``) merges them with the
    log-sum-exp rule and writes the output rows.
 
-A quantized cache (int8 or uint8 rows of ``D`` values and a float16 scale,
+A quantized cache (per block, a plane of int8 or uint8 values and a plane of float16 scales,
 fd_core.quantization.kv_cache) is read as values converted to q's dtype (exact for int8 and
 e4m3 in 16-bit floats), with the row scales applied to the scores (K) and to the probabilities
 before ``PV`` (V), so the dots stay on 16-bit tensor cores.
@@ -57,6 +57,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from fd_core.quantization.kv_cache import KV_QUANTIZED, STORAGE_FORMAT
 from fd_core.runtimes.torch import ops as torch_ops
 
 from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2
@@ -90,7 +91,9 @@ def _kv_write_kernel(
     vc_sh,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
     KV_QUANT: tl.constexpr,
+    KV_TOP: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -99,28 +102,38 @@ def _kv_write_kernel(
     mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
     src = heads[:, None] * k_sh + d[None, :]
     kx = tl.load(k_ptr + tok * k_sn + src, mask=mask, other=0.0)
-    rows = kc_ptr + slot * kc_ss + heads * kc_sh
-    _store_rows(rows, kx.to(tl.float32), d, mask, head_dim, KV_QUANT)
+    _store_rows(kc_ptr, slot, heads, kc_ss, kc_sh, kx.to(tl.float32), d, mask, num_kv_heads, head_dim,
+                KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
     vx = tl.load(v_ptr + tok * v_sn + heads[:, None] * v_sh + d[None, :], mask=mask, other=0.0)
-    rows = vc_ptr + slot * vc_ss + heads * vc_sh
-    _store_rows(rows, vx.to(tl.float32), d, mask, head_dim, KV_QUANT)
+    _store_rows(vc_ptr, slot, heads, vc_ss, vc_sh, vx.to(tl.float32), d, mask, num_kv_heads, head_dim,
+                KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
 
 
-# A quantized cache (fd_core.quantization.kv_cache): each row is D int8 values (KV_QUANT 1) or
-# float8 e4m3 bit patterns in uint8 (KV_QUANT 2), then its float16 scale in the last 2 bytes;
-# the scale maps the row's largest magnitude to 127 or 448. Bytes equal the specification's:
-# round-to-nearest divisions and ties-to-even rounding, as NumPy does.
+# A quantized cache (fd_core.quantization.kv_cache): each block of KV_BLOCK_SIZE slots is a plane
+# of [KV_BLOCK_SIZE, Hk, D] int8 values (KV_QUANT 1) or float8 e4m3 bit patterns in uint8
+# (KV_QUANT 2), then a plane of [KV_BLOCK_SIZE, Hk] float16 scales; a scale maps its row's largest
+# magnitude to 127 or 448. Bytes equal the specification's: round-to-nearest divisions and
+# ties-to-even rounding, as NumPy does.
 KV_FORMATS = {torch.int8: 1, torch.uint8: 2}  # the cache's storage dtype -> KV_QUANT
+# the cache's storage dtype -> the largest value a row maps to (127, 448)
+KV_TOPS = {getattr(torch, name): KV_QUANTIZED[fmt] for name, fmt in STORAGE_FORMAT.items()}
 _RINT = tl.constexpr(12582912.0)  # 1.5 * 2**23: adding and subtracting it rounds |x| < 2**22 to even
 
 
 @triton.jit
-def _store_rows(rows, x, d, mask, head_dim, KV_QUANT: tl.constexpr):
-    """Store ``x`` ``[H, D]`` float32 at the cache rows starting at ``rows`` ``[H]``."""
+def _store_rows(cache_ptr, slot, heads, stride_s, stride_h, x, d, mask, num_kv_heads, head_dim,
+                KV_BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, KV_TOP: tl.constexpr):
+    """Store ``x`` ``[H, D]`` float32 as the rows of ``heads`` at cache ``slot``."""
     if KV_QUANT == 0:
+        rows = cache_ptr + slot * stride_s + heads * stride_h
         tl.store(rows[:, None] + d[None, :], x.to(rows.dtype.element_ty), mask=mask)
     else:
-        top = 127.0 if KV_QUANT == 1 else 448.0
+        safe_slot = tl.maximum(slot, 0)  # a negative slot (padding) is masked off
+        block_ptr = cache_ptr + (safe_slot // KV_BLOCK_SIZE) * (KV_BLOCK_SIZE * stride_s)
+        row = (safe_slot % KV_BLOCK_SIZE) * num_kv_heads + heads  # (offset, head) inside the block
+        rows = block_ptr + row * head_dim
+        scale_ptr = (block_ptr + KV_BLOCK_SIZE * num_kv_heads * head_dim).to(tl.pointer_type(tl.float16)) + row
+        top = KV_TOP
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), top).to(tl.float16)
         safe = tl.where(scale == 0, 1.0, scale.to(tl.float32))
         y = tl.clamp(tl.math.div_rn(x, safe[:, None]), -top, top)
@@ -130,7 +143,7 @@ def _store_rows(rows, x, d, mask, head_dim, KV_QUANT: tl.constexpr):
             values = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         tl.store(rows[:, None] + d[None, :], values.to(rows.dtype.element_ty, bitcast=True), mask=mask)
         row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
-        tl.store((rows + head_dim).to(tl.pointer_type(tl.float16)), scale, mask=row_ok)
+        tl.store(scale_ptr, scale, mask=row_ok)
 
 
 @triton.jit
@@ -142,9 +155,9 @@ def _cache_values(x, dtype: tl.constexpr, KV_QUANT: tl.constexpr):
 
 
 @triton.jit
-def _cache_scales(head_ptr, slot, stride, HEAD_DIM: tl.constexpr, ok):
-    """The float16 scales (as float32) of the quantized rows ``slot`` of one kv head."""
-    ptr = (head_ptr + slot * stride + HEAD_DIM).to(tl.pointer_type(tl.float16))
+def _cache_scales(block_ptr, row, ok, num_kv_heads, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr):
+    """The float16 scales (as float32) of quantized ``row``s (offset * Hk + head) in their blocks."""
+    ptr = (block_ptr + KV_BLOCK_SIZE * num_kv_heads * HEAD_DIM).to(tl.pointer_type(tl.float16)) + row
     return tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
 
 
@@ -239,17 +252,23 @@ def _attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         k_ok = pos < hi
-        block = tl.load(bt_row + pos // KV_BLOCK_SIZE, mask=k_ok, other=0)
-        slot = block.to(tl.int64) * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE
+        block = tl.load(bt_row + pos // KV_BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        if KV_QUANT:
+            # the block's value plane, then its scale plane; value rows at multiples of HEAD_DIM
+            row = (pos % KV_BLOCK_SIZE) * num_kv_heads + kvh
+            k_block = kc_ptr + block * (KV_BLOCK_SIZE * kc_ss)
+            v_block = vc_ptr + block * (KV_BLOCK_SIZE * vc_ss)
+            k_rows = k_block + row * HEAD_DIM
+            v_rows = v_block + row * HEAD_DIM
+        else:
+            slot = block * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE
+            k_rows = kc_head + slot * kc_ss
+            v_rows = vc_head + slot * vc_ss
         # K^T tile [BLOCK_D, BLOCK_N], V tile [BLOCK_N, BLOCK_D]
-        kt = tl.load(
-            kc_head + slot[None, :] * kc_ss + d[:, None],
-            mask=k_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
+        kt = tl.load(k_rows[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         if KV_QUANT:  # the values in q's dtype, the row scales on the scores
             kt = _cache_values(kt, q.dtype, KV_QUANT)
-            k_scale = _cache_scales(kc_head, slot, kc_ss, HEAD_DIM, k_ok) * qk_scale
+            k_scale = _cache_scales(k_block, row, k_ok, num_kv_heads, HEAD_DIM, KV_BLOCK_SIZE) * qk_scale
             s = tl.dot(q, kt, input_precision=PRECISION) * k_scale[None, :]
         else:
             if DOT_F32:
@@ -262,14 +281,10 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            vc_head + slot[:, None] * vc_ss + d[None, :],
-            mask=k_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        v = tl.load(v_rows[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         if KV_QUANT:  # the row scales on the probabilities
             v = _cache_values(v, q.dtype, KV_QUANT)
-            pv = p * _cache_scales(vc_head, slot, vc_ss, HEAD_DIM, k_ok)[None, :]
+            pv = p * _cache_scales(v_block, row, k_ok, num_kv_heads, HEAD_DIM, KV_BLOCK_SIZE)[None, :]
         else:
             if DOT_F32:
                 v = v.to(tl.float32)
@@ -532,9 +547,11 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    block_size: int,
 ) -> None:
     """``key_cache[slot_mapping[n]] = k[n]`` (and v), cast to the cache dtype or quantized to
-    its format (an int8 / uint8 cache); slot < 0 skips."""
+    its format (an int8 / uint8 cache, laid out in planes per block of ``block_size`` slots);
+    slot < 0 skips."""
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -559,7 +576,9 @@ def write_kv_cache(
         value_cache.stride(1),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        KV_BLOCK_SIZE=int(block_size),
         KV_QUANT=KV_FORMATS.get(key_cache.dtype, 0),
+        KV_TOP=KV_TOPS.get(key_cache.dtype, 0.0),
         num_warps=4 if block_h * block_d >= 1024 else 2,
     )
 
@@ -583,7 +602,7 @@ def _check(q, k, v, key_cache, value_cache) -> None:
     num_kv_heads = key_cache.shape[1]
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"attention: Hq={q.shape[1]} not a multiple of Hk={num_kv_heads}")
-    row = head_dim + 2 if quantized else head_dim  # a quantized row ends in its float16 scale
+    row = head_dim + 2 if quantized else head_dim  # a quantized cache has a float16 scale a row
     for name, t, width in (
         ("k", k, head_dim),
         ("v", v, head_dim),
@@ -625,7 +644,7 @@ def paged_attention(
     if tokens == 0:
         return out
     st = step_tensors(meta, device)
-    write_kv_cache(k, v, key_cache, value_cache, st.slot_mapping)
+    write_kv_cache(k, v, key_cache, value_cache, st.slot_mapping, meta.block_size)
 
     # Float32 dot operands when q is float32 or q and the cache differ in dtype ("wide": smaller
     # tiles). The interpreter also needs them for bfloat16: it runs tl.dot on the raw 16-bit
