@@ -258,6 +258,14 @@ def make_llama(tmp: Path, *, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def _qwen3_tokenizer(folder: Path) -> None:
+    _byte_level_tokenizer(
+        folder,
+        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False},
+        chat_template=QWEN3_TEMPLATE,
+    )
+
+
 def make_qwen3(tmp: Path, *, seed: int = 1, **overrides) -> Path:
     """Tied Qwen3 with head_dim 32 (not hidden / heads), q/k norms, ChatML template with tools."""
     import torch
@@ -286,11 +294,7 @@ def make_qwen3(tmp: Path, *, seed: int = 1, **overrides) -> Path:
     model = Qwen3ForCausalLM(Qwen3Config(**settings)).float()
     _randomise_norms(model)
     _save_model(model, folder)
-    _byte_level_tokenizer(
-        folder,
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False},
-        chat_template=QWEN3_TEMPLATE,
-    )
+    _qwen3_tokenizer(folder)
     _write_json(
         folder / "generation_config.json",
         {"eos_token_id": [_token_id("<|im_end|>"), _token_id("<|endoftext|>")]},
@@ -355,6 +359,72 @@ def make_ernie45(tmp: Path, *, seed: int = 2, **overrides) -> Path:
     _save_model(model, folder)
     # Like Baidu's -PT repos: a tokenizer.json (here the one transformers derives from the
     # sentencepiece model) with a chat template; tokenizer.model stays beside it.
+    from transformers import LlamaTokenizer
+
+    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
+    LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)
+    _write_json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    return folder
+
+
+def _randomise_correction_bias(model) -> None:
+    """ERNIE's router bias is zero at init; random, it changes which experts are chosen."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.copy_(0.05 * torch.randn_like(param))
+
+
+def make_qwen3_moe(tmp: Path, *, seed: int = 3, **overrides) -> Path:
+    """Qwen3-MoE: 8 experts, top-2 renormalised, layer 1 dense (``mlp_only_layers``), q/k norms."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = Path(tmp) / "qwen3_moe"
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=3,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1],
+        bos_token_id=_token_id("<|endoftext|>"), eos_token_id=_token_id("<|im_end|>"),
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**settings)).float()
+    _randomise_norms(model)
+    _save_model(model, folder)
+    _qwen3_tokenizer(folder)
+    _write_json(folder / "generation_config.json", {"eos_token_id": [_token_id("<|im_end|>")]})
+    return folder
+
+
+def make_ernie45_moe(tmp: Path, *, seed: int = 4, **overrides) -> Path:
+    """ERNIE 4.5 MoE: layer 0 dense, layers 1-2 sparse (8 experts, top-2, a correction bias, two
+    shared experts), tied embeddings, sentencepiece tokenizer."""
+    import torch
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    folder = Path(tmp) / "ernie45_moe"
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=3,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=True, use_bias=False,
+        moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
+        moe_layer_start_index=1, moe_layer_interval=1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(**settings)).float()
+    _randomise_norms(model)
+    _randomise_correction_bias(model)
+    _save_model(model, folder)
     from transformers import LlamaTokenizer
 
     _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)

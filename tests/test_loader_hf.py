@@ -272,7 +272,8 @@ def test_non_gguf_file_is_refused(tmp_path):
 
 
 def test_supported_architectures():
-    assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM"}
+    assert SUPPORTED_ARCHITECTURES == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Ernie4_5ForCausalLM",
+                                       "Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM"}
 
 
 BASE = {

@@ -28,7 +28,9 @@ from fd_core.loader.tokenizer import (
 from fd_core.models.config import ModelConfig
 
 # model_type -> architecture, for configs that do not list ``architectures``.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM"}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
+_ERNIE = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
 
 # What transformers assumes when a config leaves a key out, per architecture.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -45,6 +47,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "head_dim": 128,
     },
+    # no head_dim default: transformers takes hidden / heads
+    "Qwen3MoeForCausalLM": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "Ernie4_5_MoeForCausalLM": {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
 }
 
 
@@ -112,7 +117,7 @@ def model_config(
         heads = int(config["num_attention_heads"])
         head_dim = config.get("head_dim") or head_dim_default or defaults.get("head_dim") or hidden // heads
         theta, scaling = rope_settings(config, defaults["rope_theta"])
-        if architecture == "Ernie4_5ForCausalLM":
+        if architecture in _ERNIE:
             attention_bias = o_bias = mlp_bias = bool(config.get("use_bias", False))
         else:
             attention_bias = o_bias = bool(config.get("attention_bias", False))
@@ -129,7 +134,7 @@ def model_config(
             rms_norm_eps=float(config.get("rms_norm_eps", defaults["rms_norm_eps"])),
             rope_theta=theta,
             max_position_embeddings=int(config.get("max_position_embeddings", defaults["max_position_embeddings"])),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", architecture == "Ernie4_5ForCausalLM")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", architecture in _ERNIE)),
             attention_bias=attention_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,

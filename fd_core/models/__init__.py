@@ -10,11 +10,13 @@ from fd_core.models.config import ModelConfig
 from fd_core.models.decoder import DecoderForCausalLM, DecoderTraits
 from fd_core.models.parallel import TensorParallel
 
-# Hugging Face class name -> how to build it. Adding a dense variant is one line here.
+# Hugging Face class name -> how to build it. Adding a variant of a known family is one line here.
 ARCHITECTURES: dict[str, DecoderTraits] = {
     "LlamaForCausalLM": DecoderTraits(rope_style="neox"),
     "Qwen3ForCausalLM": DecoderTraits(rope_style="neox", qk_norm=True),
     "Ernie4_5ForCausalLM": DecoderTraits(rope_style="interleaved"),
+    "Qwen3MoeForCausalLM": DecoderTraits(rope_style="neox", qk_norm=True, moe="qwen3"),
+    "Ernie4_5_MoeForCausalLM": DecoderTraits(rope_style="interleaved", moe="ernie"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The dense decoder-only transformer shared by Llama, Qwen3 and ERNIE 4.5.
+"""The decoder-only transformer shared by Llama, Qwen3 and ERNIE 4.5, dense or with
+mixture-of-experts layers (Qwen3-MoE, ERNIE 4.5 MoE: ``models/moe.py``).
 
 Written once for every chip: tensors are touched only through the op table (``self.ops``) and
 the documented subset ``+``, ``*``, slicing, ``.reshape``, ``.shape``, ``.dtype``. The variants
@@ -18,6 +19,7 @@ import numpy as np
 from fd_core.errors import CheckpointError
 from fd_core.interfaces import AttentionMetadata, Memory, QuantizedWeight
 from fd_core.models.config import ModelConfig
+from fd_core.models.moe import MoeSpec, moe_spec
 from fd_core.models.parallel import TensorParallel
 from fd_core.models.rope import cos_sin_table
 from fd_core.quantization.host import HostWeight, as_float, concat_rows
@@ -33,10 +35,15 @@ class DecoderTraits:
 
     rope_style: str = "neox"  # "neox" (rotate halves) or "interleaved" (rotate pairs)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    moe: str | None = None  # the MoE family ("qwen3", "ernie": models/moe.py); None: dense
+
+    def moe_spec(self, c: ModelConfig) -> MoeSpec | None:
+        return None if self.moe is None else moe_spec(self.moe, c)
 
     def weight_shapes(self, c: ModelConfig) -> dict[str, tuple[int, ...]]:
         """HF name -> ``[out, in]`` shape of every weight; biases where the config has them."""
         h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
+        moe = self.moe_spec(c)
         q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
         for i in range(c.num_hidden_layers):
@@ -51,10 +58,13 @@ class DecoderTraits:
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (d,)
                 shapes[p + "self_attn.k_norm.weight"] = (d,)
-            for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
-                shapes[f"{p}mlp.{proj}_proj.weight"] = shape
-                if c.mlp_bias:
-                    shapes[f"{p}mlp.{proj}_proj.bias"] = (shape[0],)
+            if moe is not None and i in moe.sparse_layers:
+                shapes.update(moe.weight_shapes(p, h))
+            else:
+                for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+                    shapes[f"{p}mlp.{proj}_proj.weight"] = shape
+                    if c.mlp_bias:
+                        shapes[f"{p}mlp.{proj}_proj.bias"] = (shape[0],)
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes["model.norm.weight"] = (h,)
@@ -63,18 +73,33 @@ class DecoderTraits:
         return shapes
 
 
+@dataclass
+class Experts:
+    """A sparse layer's weights: the router (float32), each routed expert's fused gate/up and
+    down, the correction bias the router's choice adds (ERNIE), and the shared expert (ERNIE)."""
+
+    router: Tensor
+    gate_up: list[Tensor]
+    down: list[Tensor]
+    correction_bias: Tensor | None
+    shared_gate_up: Tensor | None
+    shared_down: Tensor | None
+
+
 class Layer:
     """One decoder layer's weights, fused for fewer op calls: q/k/v into one matrix and
-    gate/up into another (the split is a slice of the output)."""
+    gate/up into another (the split is a slice of the output). A sparse layer has ``experts``
+    instead of the dense MLP."""
 
     qkv: Tensor
     qkv_bias: Tensor | None
     o: Tensor
     o_bias: Tensor | None
-    gate_up: Tensor
+    gate_up: Tensor | None
     gate_up_bias: Tensor | None
-    down: Tensor
+    down: Tensor | None
     down_bias: Tensor | None
+    experts: Experts | None
     input_norm: Tensor
     post_norm: Tensor
     q_norm: Tensor | None
@@ -97,7 +122,13 @@ class DecoderForCausalLM:
         self.dtype = dtype
         self.tp = tp or TensorParallel()
         self.tp.check(config)
+        self.moe = traits.moe_spec(config)
         c = config
+        if self.moe is not None and self.tp.enabled:
+            for name, size in (("moe_intermediate_size", self.moe.intermediate_size),
+                               ("the shared experts' width", self.moe.shared_intermediate_size)):
+                if size % self.tp.world_size:
+                    raise CheckpointError(f"{name} {size} does not divide over {self.tp.world_size} ranks")
         self.num_heads = c.num_attention_heads // self.tp.world_size
         self.num_kv_heads = c.num_key_value_heads // self.tp.world_size
         self.head_dim = c.head_dim
@@ -190,17 +221,44 @@ class DecoderForCausalLM:
             o = p + "self_attn.o_proj.weight"
             layer.o = up(tp.part(get(o), axis=1, name=o))
             layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
-            layer.gate_up = up(fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-            layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
-                                                   column(p + "mlp.up_proj.bias", None)])
-            down = p + "mlp.down_proj.weight"
-            layer.down = up(tp.part(get(down), axis=1, name=down))
-            layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
+            layer.gate_up = layer.gate_up_bias = layer.down = layer.down_bias = layer.experts = None
+            if self.moe is not None and i in self.moe.sparse_layers:
+                layer.experts = self._experts(p + "mlp.", host, fused, column)
+            else:
+                layer.gate_up = up(fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+                layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
+                                                       column(p + "mlp.up_proj.bias", None)])
+                down = p + "mlp.down_proj.weight"
+                layer.down = up(tp.part(get(down), axis=1, name=down))
+                layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
             layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
             layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
             layer.q_norm = up(get(p + "self_attn.q_norm.weight"), norm=True) if self.traits.qk_norm else None
             layer.k_norm = up(get(p + "self_attn.k_norm.weight"), norm=True) if self.traits.qk_norm else None
             self.layers.append(layer)
+
+    def _experts(self, p: str, host: dict[str, HostWeight], fused: Callable, column: Callable) -> Experts:
+        """A sparse layer's weights from ``host``. Under tensor parallelism each rank holds a
+        slice of every expert's width (gate/up by rows, down by columns), so the ``moe`` op's
+        output is a partial sum that the ranks add, as a dense MLP's is."""
+        up, tp, spec = self._to_device, self.tp, self.moe
+        assert spec is not None
+
+        def down(name: str) -> Tensor:
+            return up(tp.part(host.pop(name), axis=1, name=name))
+
+        bias = host.pop(p + "moe_statics.e_score_correction_bias", None)
+        shared = spec.shared_intermediate_size > 0
+        return Experts(
+            router=up(host.pop(p + "gate.weight"), norm=True),  # float32, as the reference routes
+            gate_up=[up(fused([f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight"]))
+                     for e in range(spec.num_experts)],
+            down=[down(f"{p}experts.{e}.down_proj.weight") for e in range(spec.num_experts)],
+            correction_bias=None if bias is None else up(as_float(bias).reshape(-1), norm=True),
+            shared_gate_up=up(fused([p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"]))
+            if shared else None,
+            shared_down=down(p + "shared_experts.down_proj.weight") if shared else None,
+        )
 
     def _keeps(self, weight: QuantizedWeight) -> bool:
         """Whether the op table chose a ``linear`` for this weight's method."""
@@ -243,10 +301,22 @@ class DecoderForCausalLM:
                 x, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             hidden = self._attention(layer, x, positions, kv_cache, meta, n)
             x, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_parallel(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            if layer.experts is not None:
+                hidden = self._sparse_mlp(layer.experts, x)
+            else:
+                gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
+                hidden = self._row_parallel(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
+
+    def _sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
+        ops, spec = self.ops, self.moe
+        assert spec is not None
+        out = ops.moe(x, experts.router, experts.gate_up, experts.down, spec.top_k, spec.scoring,
+                      spec.renormalize, experts.correction_bias)
+        if experts.shared_gate_up is not None:
+            out = out + ops.linear(ops.silu_and_mul(ops.linear(x, experts.shared_gate_up)), experts.shared_down)
+        return self.tp.reduce(out) if self.tp.enabled else out
 
     def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not self.tp.enabled:
@@ -285,5 +355,10 @@ class DecoderForCausalLM:
         yield "embed", self.embed
         for i, layer in enumerate(self.layers):
             for key, value in vars(layer).items():
-                if value is not None:
+                if isinstance(value, Experts):
+                    for part, tensor in vars(value).items():
+                        for e, t in enumerate(tensor) if isinstance(tensor, list) else [(None, tensor)]:
+                            if t is not None:
+                                yield f"layers.{i}.experts.{part}" + ("" if e is None else f".{e}"), t
+                elif value is not None:
                     yield f"layers.{i}.{key}", value

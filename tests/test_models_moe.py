@@ -1,0 +1,115 @@
+"""Mixture-of-experts models (Qwen3-MoE, ERNIE 4.5 MoE) against transformers on the same
+random weights, on both CPU runtimes: logits over a prefill and 16 decode steps (float32,
+max |fd - hf| / max |hf| <= 1e-4), 64 greedy tokens on 8 prompts, two tensor-parallel ranks
+equal to one, and the checkpoints fd refuses."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.oracle
+
+from fd_core import LLM, SamplingParams
+from fd_core.errors import CheckpointError
+from tests import checkpoints
+from tests.oracle import fd_greedy_logits, hf_logits, relative_error
+
+BUILDERS = [checkpoints.make_qwen3_moe, checkpoints.make_ernie45_moe]
+IDS = ["qwen3-moe", "ernie45-moe"]
+RUNTIMES = ["torch", "paddle"]
+
+
+@pytest.fixture(scope="module", params=BUILDERS, ids=IDS)
+def model_dir(request, tmp_path_factory):
+    return request.param(tmp_path_factory.mktemp(request.param.__name__))
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(3, 500, size=int(rng.integers(4, 30))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_logits_match_transformers(model_dir, runtime):
+    llm = LLM(model=str(model_dir), runtime=runtime, block_size=4, num_kv_blocks=64, max_model_len=128)
+    prompt = np.random.default_rng(0).integers(0, 500, size=11).tolist()
+    tokens, ours = fd_greedy_logits(llm, prompt, 17)
+    theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
+    errors = [relative_error(ours[i], theirs[i]) for i in range(17)]
+    assert max(errors) <= 1e-4, errors
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_64_greedy_tokens_equal_transformers(model_dir, runtime):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = LLM(model=str(model_dir), runtime=runtime, block_size=4, num_kv_blocks=512, max_model_len=128)
+    outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts(), outs, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64, min_new_tokens=64,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+def test_two_ranks_equal_one(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(**engine_args):
+        llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, block_size=4, num_kv_blocks=512,
+                  **engine_args)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+        finally:
+            llm.engine.core.shutdown()
+
+    assert run(tensor_parallel_size=2) == run()
+
+
+def _drop_tensor(folder, name: str) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    del tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_missing_expert_is_refused_naming_layer_and_expert(tmp_path):
+    folder = checkpoints.make_ernie45_moe(tmp_path)
+    _drop_tensor(folder, "model.layers.2.mlp.experts.5.up_proj.weight")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+        LLM(model=str(folder), block_size=4, num_kv_blocks=64, max_model_len=128)
+
+
+def test_a_router_choosing_more_experts_than_exist_is_refused(tmp_path):
+    folder = checkpoints.make_qwen3_moe(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_experts_per_tok"] = 9
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="routes each token to 9 of 8 experts"):
+        LLM(model=str(folder), block_size=4, num_kv_blocks=64, max_model_len=128)
+
+
+def test_sparse_layers_follow_the_config():
+    from fd_core.models.config import ModelConfig
+    from fd_core.models.moe import moe_spec
+
+    def config(**raw):
+        return ModelConfig("x", 10, 8, 16, 6, 2, 2, 4, 1e-5, 1e4, 64, raw=raw)
+
+    qwen = moe_spec("qwen3", config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                     decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert qwen.sparse_layers == {1, 5} and not qwen.renormalize and not qwen.shared_intermediate_size
+    ernie = moe_spec("ernie", config(moe_num_experts=4, moe_k=2, moe_intermediate_size=8, moe_num_shared_experts=2,
+                                     moe_layer_start_index=1, moe_layer_end_index=4, moe_layer_interval=2))
+    assert ernie.sparse_layers == {1, 3} and ernie.renormalize and ernie.correction_bias
+    assert ernie.shared_intermediate_size == 16
+    with pytest.raises(CheckpointError, match="lacks moe_intermediate_size"):
+        moe_spec("qwen3", config(num_experts=4, num_experts_per_tok=2))
