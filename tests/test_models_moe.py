@@ -35,7 +35,7 @@ def prompts(n: int = 8) -> list[list[int]]:
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_logits_match_transformers(model_dir, runtime):
-    llm = LLM(model=str(model_dir), runtime=runtime, block_size=4, num_kv_blocks=64, max_model_len=128)
+    llm = LLM(model=str(model_dir), device="cpu", runtime=runtime, block_size=4, num_kv_blocks=64, max_model_len=128)
     prompt = np.random.default_rng(0).integers(0, 500, size=11).tolist()
     tokens, ours = fd_greedy_logits(llm, prompt, 17)
     theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
@@ -49,7 +49,7 @@ def test_64_greedy_tokens_equal_transformers(model_dir, runtime):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(model=str(model_dir), runtime=runtime, block_size=4, num_kv_blocks=512, max_model_len=128)
+    llm = LLM(model=str(model_dir), device="cpu", runtime=runtime, block_size=4, num_kv_blocks=512, max_model_len=128)
     outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts(), outs, strict=True):
         with torch.no_grad():
@@ -58,7 +58,10 @@ def test_64_greedy_tokens_equal_transformers(model_dir, runtime):
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
 
 
-def test_two_ranks_equal_one(model_dir):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-sliced", "expert-parallel"])
+def test_two_ranks_equal_one(model_dir, expert_parallel):
+    """Two ranks over gloo: each expert sliced by width, or (--enable-expert-parallel) 4 of the
+    8 experts whole on each rank; the tokens equal one process's."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def run(**engine_args):
@@ -69,7 +72,19 @@ def test_two_ranks_equal_one(model_dir):
         finally:
             llm.engine.core.shutdown()
 
-    assert run(tensor_parallel_size=2) == run()
+    assert run(tensor_parallel_size=2, enable_expert_parallel=expert_parallel) == run()
+
+
+def test_expert_parallel_is_refused_on_a_dense_model_and_on_indivisible_experts(tmp_path):
+    from fd_core.errors import ConfigError
+
+    dense = checkpoints.make_qwen3(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="--enable-expert-parallel: Qwen3ForCausalLM has no mixture-of-experts"):
+        LLM(model=str(dense), device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
+    three = checkpoints.make_qwen3_moe(tmp_path / "moe", num_experts=3)
+    with pytest.raises(ConfigError, match="the model's 3 experts per layer do not divide over "
+                                          "--tensor-parallel-size 2"):
+        LLM(model=str(three), device="cpu", tensor_parallel_size=2, enable_expert_parallel=True)
 
 
 def _drop_tensor(folder, name: str) -> None:
@@ -85,7 +100,7 @@ def test_a_missing_expert_is_refused_naming_layer_and_expert(tmp_path):
     folder = checkpoints.make_ernie45_moe(tmp_path)
     _drop_tensor(folder, "model.layers.2.mlp.experts.5.up_proj.weight")
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
-        LLM(model=str(folder), block_size=4, num_kv_blocks=64, max_model_len=128)
+        LLM(model=str(folder), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=128)
 
 
 def test_a_router_choosing_more_experts_than_exist_is_refused(tmp_path):
@@ -94,7 +109,7 @@ def test_a_router_choosing_more_experts_than_exist_is_refused(tmp_path):
     config["num_experts_per_tok"] = 9
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="routes each token to 9 of 8 experts"):
-        LLM(model=str(folder), block_size=4, num_kv_blocks=64, max_model_len=128)
+        LLM(model=str(folder), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=128)
 
 
 def test_sparse_layers_follow_the_config():

@@ -60,6 +60,8 @@ class EngineConfig:
     seed: int = 0
     op_pins: dict[str, str] = field(default_factory=dict)
     tensor_parallel_size: int = 1
+    # a mixture of experts' experts dealt out whole over the tensor-parallel ranks
+    enable_expert_parallel: bool = False
     quantization: str | None = None  # wint8, wint4, block_wise_fp8 (fp8): decoder linears quantized at load
     quantization_group_size: int | None = None  # None: the method's default (wint4: 128)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 / fp8_e4m3 (fp8) where declared

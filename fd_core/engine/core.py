@@ -31,7 +31,7 @@ from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
 from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError, check_text
 from fd_core.interfaces import Platform, SampleOutput
-from fd_core.models import TensorParallel
+from fd_core.models import TensorParallel, moe_spec
 from fd_core.quantization.kv_cache import row_bytes as kv_row_bytes
 
 log = logging.getLogger("fd.engine")
@@ -145,8 +145,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
 
         world = config.tensor_parallel_size
-        self.tp = TensorParallel(0, world)
-        self.tp.check(self.model_config)  # before any process starts
+        self.tp = TensorParallel(0, world, expert_parallel=config.enable_expert_parallel)
+        self.tp.check(self.model_config, moe_spec(self.model_config))  # before any process starts
         if world == 1:
             runner = load_runner(config, self.platform, registry, checkpoint=checkpoint)
             self.executor = Executor(config.block_size, self.eos_token_ids, runner=runner)

@@ -26,7 +26,7 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     # methods are dequantized at load (DecoderForCausalLM.load_weights)
     ops = registry.op_table(platform, context=op_context(config.dtype, model_config.head_dim),
                             pins=config.op_pins, methods=platform.capabilities().quantization)
-    tp = TensorParallel(rank, world_size, comm)
+    tp = TensorParallel(rank, world_size, comm, expert_parallel=config.enable_expert_parallel)
     model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     quantize = None
     if config.quantization is not None:  # validate() filled in the method's group size

@@ -249,13 +249,17 @@ OP_SPECS: dict[str, OpSpec] = {
             "moe",
             "moe(x: T[N, H], router_weight: T[E, H], gate_up: list[T[2I, H]], down: list[T[H, I]],"
             " top_k: int, scoring: str = 'softmax', renormalize: bool = True,"
-            " correction_bias: T[E] | None = None) -> T[N, H]",
+            " correction_bias: T[E] | None = None, expert_offset: int = 0) -> T[N, H]",
             """
             Router logits r = x @ router_weight.T (float32). Scores s = softmax(r) or sigmoid(r)
             (``scoring``). Experts chosen by top_k of s + correction_bias (bias only affects the
             choice); weights are the chosen s, divided by their sum when ``renormalize``.
             out[n] = sum_e w[n, e] * down[e] @ silu_and_mul(gate_up[e] @ x[n]).
             Experts tied on s + correction_bias go to the lower expert id.
+            Expert parallelism (1.7): ``gate_up`` / ``down`` hold experts ``expert_offset ..
+            expert_offset + len(gate_up) - 1`` of the E the router scores; a chosen expert outside
+            that range adds nothing (its rank adds it), so a token that chose none gets zeros.
+            The core passes ``expert_offset`` only with --enable-expert-parallel.
             """,
         ),
         _spec(

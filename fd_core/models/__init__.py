@@ -8,6 +8,7 @@ from fd_core.errors import UnsupportedArchitectureError
 from fd_core.interfaces import Memory
 from fd_core.models.config import ModelConfig
 from fd_core.models.decoder import DecoderForCausalLM, DecoderTraits
+from fd_core.models.moe import MoeSpec
 from fd_core.models.parallel import TensorParallel
 
 # Hugging Face class name -> how to build it. Adding a variant of a known family is one line here.
@@ -35,9 +36,14 @@ def _traits(config: ModelConfig) -> DecoderTraits:
     return traits
 
 
+def moe_spec(config: ModelConfig) -> MoeSpec | None:
+    """The model's mixture-of-experts layers, None for a dense model."""
+    return _traits(config).moe_spec(config)
+
+
 def build_model(config: ModelConfig, ops: Any, memory: Memory, max_model_len: int,
                 dtype: str = "float32", tp: TensorParallel | None = None) -> DecoderForCausalLM:
     return DecoderForCausalLM(config, _traits(config), ops, memory, max_model_len, dtype, tp)
 
 
-__all__ = ["ARCHITECTURES", "ModelConfig", "TensorParallel", "build_model", "weight_shapes"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "MoeSpec", "TensorParallel", "build_model", "moe_spec", "weight_shapes"]

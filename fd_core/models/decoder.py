@@ -81,6 +81,7 @@ class Experts:
     router: Tensor
     gate_up: list[Tensor]
     down: list[Tensor]
+    first: int  # the id of gate_up[0]: with experts dealt out over ranks, this rank's first
     correction_bias: Tensor | None
     shared_gate_up: Tensor | None
     shared_down: Tensor | None
@@ -121,14 +122,9 @@ class DecoderForCausalLM:
         self.memory = memory
         self.dtype = dtype
         self.tp = tp or TensorParallel()
-        self.tp.check(config)
         self.moe = traits.moe_spec(config)
+        self.tp.check(config, self.moe)
         c = config
-        if self.moe is not None and self.tp.enabled:
-            for name, size in (("moe_intermediate_size", self.moe.intermediate_size),
-                               ("the shared experts' width", self.moe.shared_intermediate_size)):
-                if size % self.tp.world_size:
-                    raise CheckpointError(f"{name} {size} does not divide over {self.tp.world_size} ranks")
         self.num_heads = c.num_attention_heads // self.tp.world_size
         self.num_kv_heads = c.num_key_value_heads // self.tp.world_size
         self.head_dim = c.head_dim
@@ -158,7 +154,7 @@ class DecoderForCausalLM:
         LM head and the norms stay in the model's dtype. A quantized weight (``QuantizedWeight``)
         stays quantized where the op table has a ``linear`` for its method (the backend declares
         it) and is dequantized here otherwise, with one log line per method."""
-        expected = self.traits.weight_shapes(self.config)
+        expected = self._own_weights(self.traits.weight_shapes(self.config))
         host: dict[str, HostWeight] = {}
         for name, array in weights:
             want = expected.get(name)
@@ -182,6 +178,22 @@ class DecoderForCausalLM:
         for method, count in sorted(self._unfused.items()):
             log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks of "
                      "the fused q/k/v or gate/up matrix", count, method, self.dtype)
+
+    def _own_weights(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The weights this rank loads: with experts dealt out, other ranks' experts are skipped
+        as the checkpoint streams by."""
+        if self.moe is None:
+            return shapes
+        mine = self.tp.local_experts(self.moe.num_experts)
+        if len(mine) == self.moe.num_experts:
+            return shapes
+
+        def other_rank(name: str) -> bool:
+            parts = name.split(".")
+            return "experts" in parts and parts[parts.index("experts") + 1].isdigit() and \
+                int(parts[parts.index("experts") + 1]) not in mine
+
+        return {name: shape for name, shape in shapes.items() if not other_rank(name)}
 
     def _upload(self, host: dict[str, HostWeight]) -> None:
         up, tp = self._to_device, self.tp
@@ -239,21 +251,32 @@ class DecoderForCausalLM:
 
     def _experts(self, p: str, host: dict[str, HostWeight], fused: Callable, column: Callable) -> Experts:
         """A sparse layer's weights from ``host``. Under tensor parallelism each rank holds a
-        slice of every expert's width (gate/up by rows, down by columns), so the ``moe`` op's
-        output is a partial sum that the ranks add, as a dense MLP's is."""
+        slice of every expert's width (gate/up by rows, down by columns), or with expert
+        parallelism its share of the experts whole; either way the ``moe`` op's output is a
+        partial sum that the ranks add, as a dense MLP's is."""
         up, tp, spec = self._to_device, self.tp, self.moe
         assert spec is not None
 
         def down(name: str) -> Tensor:
             return up(tp.part(host.pop(name), axis=1, name=name))
 
+        mine = tp.local_experts(spec.num_experts)
+        whole = len(mine) < spec.num_experts  # dealt out whole: no slicing by width
+
+        def expert(e: int) -> tuple[Tensor, Tensor]:
+            names = [f"{p}experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
+            if whole:
+                return up(concat_rows([host.pop(names[0]), host.pop(names[1])])), up(host.pop(names[2]))
+            return up(fused(names[:2])), down(names[2])
+
+        experts = [expert(e) for e in mine]
         bias = host.pop(p + "moe_statics.e_score_correction_bias", None)
         shared = spec.shared_intermediate_size > 0
         return Experts(
             router=up(host.pop(p + "gate.weight"), norm=True),  # float32, as the reference routes
-            gate_up=[up(fused([f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight"]))
-                     for e in range(spec.num_experts)],
-            down=[down(f"{p}experts.{e}.down_proj.weight") for e in range(spec.num_experts)],
+            gate_up=[gate_up for gate_up, _ in experts],
+            down=[d for _, d in experts],
+            first=mine.start,
             correction_bias=None if bias is None else up(as_float(bias).reshape(-1), norm=True),
             shared_gate_up=up(fused([p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"]))
             if shared else None,
@@ -312,8 +335,11 @@ class DecoderForCausalLM:
     def _sparse_mlp(self, experts: Experts, x: Tensor) -> Tensor:
         ops, spec = self.ops, self.moe
         assert spec is not None
+        # expert_offset only where experts are dealt out: a backend's moe older than the
+        # contract's 1.7 does not take it
+        extra = {"expert_offset": experts.first} if len(experts.gate_up) < spec.num_experts else {}
         out = ops.moe(x, experts.router, experts.gate_up, experts.down, spec.top_k, spec.scoring,
-                      spec.renormalize, experts.correction_bias)
+                      spec.renormalize, experts.correction_bias, **extra)
         if experts.shared_gate_up is not None:
             out = out + ops.linear(ops.silu_and_mul(ops.linear(x, experts.shared_gate_up)), experts.shared_down)
         return self.tp.reduce(out) if self.tp.enabled else out
@@ -357,6 +383,8 @@ class DecoderForCausalLM:
             for key, value in vars(layer).items():
                 if isinstance(value, Experts):
                     for part, tensor in vars(value).items():
+                        if isinstance(tensor, int):  # first: an expert id
+                            continue
                         for e, t in enumerate(tensor) if isinstance(tensor, list) else [(None, tensor)]:
                             if t is not None:
                                 yield f"layers.{i}.experts.{part}" + ("" if e is None else f".{e}"), t

@@ -22,27 +22,53 @@ from fd_core.quantization.host import HostWeight, take
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Communicator
 from fd_core.models.config import ModelConfig
+from fd_core.models.moe import MoeSpec
 
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """``expert_parallel`` (--enable-expert-parallel): a mixture of experts' routed experts are
+    dealt out whole, ``E / world_size`` to each rank, instead of each rank holding a slice of
+    every expert. Attention stays tensor-parallel, so every rank has every token after it: a
+    rank runs its own experts on the tokens that chose them (``moe``'s ``expert_offset``) and
+    the ranks' partial sums are added like a row-parallel matmul's. (An all-to-all dispatch
+    pays off only when ranks hold different tokens: data-parallel attention, which fd has not.)"""
+
     rank: int = 0
     world_size: int = 1
     comm: Communicator | None = None
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def check(self, c: ModelConfig) -> None:
+    def check(self, c: ModelConfig, moe: MoeSpec | None = None) -> None:
         """Refuse, before any weight is read, a model that does not split over this many ranks."""
-        for what, count in (("attention heads", c.num_attention_heads),
-                            ("key-value heads", c.num_key_value_heads),
-                            ("MLP width", c.intermediate_size)):
+        parts = [("attention heads", c.num_attention_heads), ("key-value heads", c.num_key_value_heads),
+                 ("MLP width", c.intermediate_size)]
+        if self.expert_parallel and moe is None:
+            raise ConfigError(f"--enable-expert-parallel: {c.architecture} has no mixture-of-experts layers")
+        if moe is not None:
+            if self.expert_parallel:
+                if moe.num_experts % self.world_size:
+                    raise ConfigError(f"--enable-expert-parallel: the model's {moe.num_experts} experts per layer "
+                                      f"do not divide over --tensor-parallel-size {self.world_size}")
+            else:
+                parts.append(("experts' width (moe_intermediate_size)", moe.intermediate_size))
+            parts.append(("shared experts' width", moe.shared_intermediate_size))
+        for what, count in parts:
             if count % self.world_size:
                 raise ConfigError(
                     f"--tensor-parallel-size {self.world_size} must divide the model's {what} ({count})"
                 )
+
+    def local_experts(self, num_experts: int) -> range:
+        """The routed experts this rank holds: all of them unless experts are dealt out."""
+        if not (self.expert_parallel and self.enabled):
+            return range(num_experts)
+        count = num_experts // self.world_size
+        return range(self.rank * count, (self.rank + 1) * count)
 
     def part(self, array: HostWeight, axis: int = 0, name: str = "") -> HostWeight:
         """This rank's equal slice of ``array`` along ``axis`` (a quantized weight's scales and

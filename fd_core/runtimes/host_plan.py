@@ -223,18 +223,20 @@ def device_plan(
 # --- moe ---------------------------------------------------------------------------------------
 
 
-def expert_groups(ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+def expert_groups(ids: np.ndarray, first: int = 0, count: int | None = None) -> list[tuple[int, np.ndarray]]:
     """The router's choices grouped by expert, so that each expert runs one matmul.
 
-    ``ids`` is the ``[N, top_k]`` expert id of every (token, slot) pair; returns ``(expert,
-    pairs)`` for each chosen expert, ascending, ``pairs`` indexing the flattened ``ids`` in
-    order (its token is ``pairs // top_k``).
+    ``ids`` is the ``[N, top_k]`` expert id of every (token, slot) pair; returns ``(expert -
+    first, pairs)`` for each chosen expert in ``first .. first + count - 1`` (all of them when
+    ``count`` is None), ascending, ``pairs`` indexing the flattened ``ids`` in order (its token
+    is ``pairs // top_k``). Under expert parallelism the other experts are other ranks'.
     """
     flat = ids.reshape(-1)
     by_expert = np.argsort(flat, kind="stable")
     experts, starts = np.unique(flat[by_expert], return_index=True)
     bounds = list(starts) + [len(flat)]
-    return [(int(e), by_expert[bounds[j] : bounds[j + 1]]) for j, e in enumerate(experts)]
+    return [(int(e) - first, by_expert[bounds[j] : bounds[j + 1]]) for j, e in enumerate(experts)
+            if first <= e and (count is None or e < first + count)]
 
 
 # --- sample ------------------------------------------------------------------------------------

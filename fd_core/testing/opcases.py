@@ -240,9 +240,14 @@ def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     gate_up = [dev.put(_randn(rng, 2 * inter, h, scale=0.3)) for _ in range(e)]
     down = [dev.put(_randn(rng, h, inter, scale=0.3)) for _ in range(e)]
     bias, bh = dev.put(_randn(rng, e, scale=0.5), "float32") if p["bias"] else (None, None)
-    out = fn(x, router, [g[0] for g in gate_up], [g[0] for g in down], p["top_k"], p["scoring"], p["renormalize"], bias)
-    want = spec.moe(xh, rh, [g[1] for g in gate_up], [g[1] for g in down], p["top_k"], p["scoring"],
-                    p["renormalize"], bh)
+    # expert parallelism: this rank holds experts first .. first + count - 1 only
+    first, count = p.get("local", (0, e))
+    local = slice(first, first + count)
+    extra = {"expert_offset": first} if "local" in p else {}
+    out = fn(x, router, [g[0] for g in gate_up[local]], [g[0] for g in down[local]], p["top_k"], p["scoring"],
+             p["renormalize"], bias, **extra)
+    want = spec.moe(xh, rh, [g[1] for g in gate_up[local]], [g[1] for g in down[local]], p["top_k"], p["scoring"],
+                    p["renormalize"], bh, **extra)
     compare(case, impl, "output", dev.get(out), want)
 
 
@@ -375,11 +380,17 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 seqs = ATTENTION_STEPS[name]
                 add("attention", f"{name} step {seqs} q heads 8 kv heads 2 head_dim 64 block_size 16, "
                     f"{kv} cache", head_dim=64, params=dict(seqs=seqs, heads=(8, 2), block_size=16, kv_cache_dtype=kv))
-        for experts, top_k, scoring, bias, renorm in [(4, 2, "softmax", False, True), (8, 2, "sigmoid", True, False)]:
+        for experts, top_k, scoring, bias, renorm, local in [
+            (4, 2, "softmax", False, True, None), (8, 2, "sigmoid", True, False, None),
+            (16, 1, "softmax", False, True, None), (16, 8, "softmax", True, True, None),
+            # expert parallelism: experts 4 and 5 of 8 on this rank; most tokens choose neither
+            (8, 2, "softmax", True, True, (4, 2)), (8, 2, "sigmoid", False, False, (0, 4)),
+        ]:
             add("moe", f"x[7, 32] {experts} experts top-{top_k} {scoring}" + (" + correction bias" if bias else "")
-                + (" renormalized" if renorm else ""),
+                + (" renormalized" if renorm else "")
+                + (f", experts {local[0]}..{local[0] + local[1] - 1} local" if local else ""),
                 params=dict(n=7, hidden=32, inter=48, experts=experts, top_k=top_k, scoring=scoring, bias=bias,
-                            renormalize=renorm))
+                            renormalize=renorm, **({"local": local} if local else {})))
         for op in ("sample", "sample_async"):
             for kind, rows, vocab, logprobs in [("greedy", 5, 1000, 0), ("filters", 8, 1000, 5),
                                                 ("penalties", 8, 300, 1)]:

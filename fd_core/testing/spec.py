@@ -239,13 +239,17 @@ def moe(
     scoring: str = "softmax",
     renormalize: bool = True,
     correction_bias: np.ndarray | None = None,
+    expert_offset: int = 0,
 ) -> np.ndarray:
     ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
     out = np.zeros(x.shape, dtype=np.float32)
     for n in range(x.shape[0]):
         for e, w in zip(ids[n], weights[n], strict=True):
-            h = linear(x[n : n + 1].astype(np.float32), gate_up[e])
-            out[n] += w * linear(silu_and_mul(h), down[e])[0]
+            local = int(e) - expert_offset
+            if not 0 <= local < len(gate_up):  # another rank's expert (expert parallelism)
+                continue
+            h = linear(x[n : n + 1].astype(np.float32), gate_up[local])
+            out[n] += w * linear(silu_and_mul(h), down[local])[0]
     return out.astype(x.dtype)
 
 

@@ -345,10 +345,14 @@ def moe(
     scoring: str = "softmax",
     renormalize: bool = True,
     correction_bias: Tensor | None = None,
+    expert_offset: int = 0,
 ) -> Tensor:
     ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
     h = _f32(x)
-    groups = host_plan.expert_groups(ids.numpy())  # on the host: one matmul per expert
+    # on the host: one matmul per (local) expert
+    groups = host_plan.expert_groups(ids.numpy(), expert_offset, len(gate_up))
+    if not groups:  # no token chose an expert of this rank
+        return paddle.zeros_like(x)
     flat_weights = weights.reshape([-1, 1])
     outputs = []
     for e, pairs in groups:
