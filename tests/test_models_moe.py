@@ -128,3 +128,20 @@ def test_sparse_layers_follow_the_config():
     assert ernie.shared_intermediate_size == 16
     with pytest.raises(CheckpointError, match="lacks moe_intermediate_size"):
         moe_spec("qwen3", config(num_experts=4, num_experts_per_tok=2))
+
+
+def test_quantized_experts_stay_quantized_and_close(model_dir):
+    """--quantization wint8 on the torch runtime: the routed experts reach the moe op as int8
+    weights in the canonical form (the op reads them, not the backend's packed linear), and the
+    logits stay within 5% of transformers' float ones (measured: 1.3% Qwen3-MoE, 0.5% ERNIE)."""
+    from fd_core.interfaces import QuantizedWeight
+
+    llm = LLM(model=str(model_dir), device="cpu", runtime="torch", quantization="wint8", block_size=4,
+              num_kv_blocks=64, max_model_len=128)
+    experts = next(layer.experts for layer in llm.engine.runner.model.layers if layer.experts is not None)
+    assert all(isinstance(w, QuantizedWeight) and w.method == "wint8" and not w.layout
+               for w in experts.gate_up + experts.down)
+    prompt = np.random.default_rng(0).integers(0, 500, size=11).tolist()
+    tokens, ours = fd_greedy_logits(llm, prompt, 5)
+    theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
+    assert max(relative_error(ours[i], theirs[i]) for i in range(5)) <= 0.05

@@ -257,17 +257,20 @@ class DecoderForCausalLM:
         up, tp, spec = self._to_device, self.tp, self.moe
         assert spec is not None
 
-        def down(name: str) -> Tensor:
-            return up(tp.part(host.pop(name), axis=1, name=name))
+        def down(name: str, pack: bool = True) -> Tensor:
+            return up(tp.part(host.pop(name), axis=1, name=name), pack=pack)
 
         mine = tp.local_experts(spec.num_experts)
         whole = len(mine) < spec.num_experts  # dealt out whole: no slicing by width
 
         def expert(e: int) -> tuple[Tensor, Tensor]:
+            # quantized experts stay in the canonical form: the moe op reads them, and a
+            # backend's packed form is its linear's
             names = [f"{p}experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
             if whole:
-                return up(concat_rows([host.pop(names[0]), host.pop(names[1])])), up(host.pop(names[2]))
-            return up(fused(names[:2])), down(names[2])
+                return (up(concat_rows([host.pop(names[0]), host.pop(names[1])]), pack=False),
+                        up(host.pop(names[2]), pack=False))
+            return up(fused(names[:2]), pack=False), down(names[2], pack=False)
 
         experts = [expert(e) for e in mine]
         bias = host.pop(p + "moe_statics.e_score_correction_bias", None)
@@ -287,17 +290,20 @@ class DecoderForCausalLM:
         """Whether the op table chose a ``linear`` for this weight's method."""
         return weight.method in getattr(self.ops, "per_method", {})
 
-    def _to_device(self, array: HostWeight, norm: bool = False) -> Tensor:
+    def _to_device(self, array: HostWeight, norm: bool = False, pack: bool = True) -> Tensor:
+        """``pack``: a quantized weight in the form the backend's ``linear`` reads; without it,
+        the canonical form (routed experts: the ``moe`` op reads them, not ``linear``)."""
         if isinstance(array, QuantizedWeight):
             if not self._keeps(array):
                 self._dequantized[array.method] += 1
                 array = as_float(array)
             else:
                 put = self.memory.from_numpy
-                return self.ops.pack_linear(QuantizedWeight(
+                weight = QuantizedWeight(
                     array.method, put(np.ascontiguousarray(array.qweight)), put(array.scales, "float32"),
                     array.group_size, tuple(array.shape),
-                    None if array.zeros is None else put(array.zeros, "float32")))
+                    None if array.zeros is None else put(array.zeros, "float32"))
+                return self.ops.pack_linear(weight) if pack else weight
         # norms stay in float32 whatever the compute dtype: they are tiny and precision-critical
         return self.memory.from_numpy(np.ascontiguousarray(array), "float32" if norm else self.dtype)
 
