@@ -433,6 +433,42 @@ def make_ernie45_moe(tmp: Path, *, seed: int = 4, **overrides) -> Path:
     return folder
 
 
+# ERNIE-4.5-21B-A3B (baidu/ERNIE-4.5-21B-A3B-PT): Ernie4_5_MoeConfig's defaults are this shape.
+ERNIE_45_21B_A3B = dict(
+    hidden_size=2560, intermediate_size=12288, num_hidden_layers=28, num_attention_heads=20, num_key_value_heads=4,
+    vocab_size=103424, max_position_embeddings=131072, moe_num_experts=64, moe_k=6, moe_intermediate_size=1536,
+    moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=1, tie_word_embeddings=True,
+)
+
+
+def make_large_random(tmp: Path, config_cls, model_cls, name: str, **settings) -> Path:
+    """A random bfloat16 checkpoint of a shape too large for transformers to initialise in a
+    test: the tensor names and shapes come from the model built on the meta device and mapped
+    to the on-disk names by transformers' own save-time conversion (per-expert tensors), the
+    values are drawn here, 0.02-scaled, norms near 1."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    folder = Path(tmp) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    config = config_cls(**settings)
+    with torch.device("meta"):
+        model = model_cls(config)
+        shapes = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for key, shape in shapes.items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        value = torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+        tensors[key] = value + 1 if key.endswith("norm.weight") else value * 0.02
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
+    return folder
+
+
 def paddle_from_hf(source: Path, folder: Path) -> Path:
     """Rewrite an HF ERNIE 4.5 folder in the layout of Baidu's ``-Paddle`` releases.
 

@@ -145,3 +145,21 @@ def test_quantized_experts_stay_quantized_and_close(model_dir):
     tokens, ours = fd_greedy_logits(llm, prompt, 5)
     theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
     assert max(relative_error(ours[i], theirs[i]) for i in range(5)) <= 0.05
+
+
+def test_an_ernie_45_21b_a3b_shaped_checkpoint_loads_and_generates(tmp_path):
+    """ERNIE-4.5-21B-A3B's shape (hidden 2560, 64 experts of width 1536, top-6, two shared
+    experts, a 103,424-token vocabulary) at two layers, one dense and one sparse, random bfloat16
+    weights: it loads on the torch runtime in bfloat16 and generates."""
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    shape = dict(checkpoints.ERNIE_45_21B_A3B, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    folder = checkpoints.make_large_random(tmp_path, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, "ernie45_21b", **shape)
+    llm = LLM(model=str(folder), device="cpu", runtime="torch", dtype="bfloat16", block_size=16, num_kv_blocks=8,
+              max_model_len=64)
+    model = llm.engine.runner.model
+    assert model.moe.sparse_layers == {1} and model.moe.top_k == 6 and model.moe.shared_intermediate_size == 3072
+    experts = model.layers[1].experts
+    assert len(experts.gate_up) == 64 and tuple(experts.gate_up[0].shape) == (3072, 2560)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
