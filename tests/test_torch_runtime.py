@@ -921,3 +921,21 @@ def test_engine_on_the_torch_runtime_matches_paddle_through_swap_preemption(llam
     tight, engine = run(TorchCpuPlatform(), num_kv_blocks=4 * 12 + 1, swap_space=0.05)
     assert engine.scheduler.num_swapped_out > 0 and engine.scheduler.num_recomputed == 0
     assert tight == reference
+
+
+@pytest.mark.parametrize("offset, count", [(0, 8), (2, 3)])
+def test_moe_dense_form_equals_the_grouped_one(offset, count):
+    """The form a captured graph runs (every local expert on every row, no host read) gives the
+    grouped form's output, with all experts or a rank's share."""
+    from fd_core.runtimes.torch import ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=g)
+    router = torch.randn(8, 16, generator=g)
+    gate_up = [torch.randn(24, 16, generator=g) * 0.3 for _ in range(8)][offset : offset + count]
+    down = [torch.randn(16, 12, generator=g) * 0.3 for _ in range(8)][offset : offset + count]
+    bias = torch.randn(8, generator=g) * 0.1
+    want = ops.moe(x, router, gate_up, down, 2, "softmax", True, bias, expert_offset=offset)
+    ids, weights = ops.route(x, router, 2, "softmax", True, bias)
+    got = ops._moe_dense(x, ids, weights, gate_up, down, offset)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -349,6 +349,8 @@ def moe(
 ) -> Tensor:
     ids, weights = route(x, router_weight, top_k, scoring, renormalize, correction_bias)
     h = _f32(x)
+    if h.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _to(_moe_dense(h, ids, weights, gate_up, down, expert_offset), x.dtype)
     # on the host: one matmul per (local) expert
     groups = host_plan.expert_groups(_host(ids), expert_offset, len(gate_up))
     if not groups:  # no token chose an expert of this rank
@@ -362,6 +364,23 @@ def moe(
     index = upload(np.concatenate([pairs // top_k for _, pairs in groups]), h.device)
     out = torch.zeros_like(h).index_add_(0, index, torch.cat(outputs))
     return _to(out, x.dtype)
+
+
+def _moe_dense(h: Tensor, ids: Tensor, weights: Tensor, gate_up: list, down: list, expert_offset: int) -> Tensor:
+    """``moe`` without reading the choices on the host, as a captured graph needs (a backend's
+    decode steps, e.g. CUDA graphs): every local expert runs on every row, weighted by the row's
+    weight for it (zero where it chose another), so the work is E / top_k times the grouped
+    form's. A backend with a fused kernel of its own does not come here."""
+    count = len(gate_up)
+    local = ids - expert_offset
+    mine = (local >= 0) & (local < count)
+    per_expert = torch.zeros((h.shape[0], count), dtype=torch.float32, device=h.device)
+    per_expert.scatter_add_(1, local.clamp(0, count - 1), torch.where(mine, weights, 0.0))
+    out = torch.zeros_like(h)
+    for e in range(count):
+        y = linear(silu_and_mul(linear(h, _f32_weight(gate_up[e]))), _f32_weight(down[e]))
+        out = out + y * per_expert[:, e : e + 1]
+    return out
 
 
 # --- sample ------------------------------------------------------------------------------------
