@@ -237,8 +237,15 @@ def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     e, h, inter = p["experts"], p["hidden"], p["inter"]
     x, xh = dev.put(_randn(rng, p["n"], h))
     router, rh = dev.put(_randn(rng, e, h))
-    gate_up = [dev.put(_randn(rng, 2 * inter, h, scale=0.3)) for _ in range(e)]
-    down = [dev.put(_randn(rng, h, inter, scale=0.3)) for _ in range(e)]
+    gate_up = [_randn(rng, 2 * inter, h, scale=0.3) for _ in range(e)]
+    down = [_randn(rng, h, inter, scale=0.3) for _ in range(e)]
+    method = p.get("experts_quantized")  # experts in a declared method's canonical form
+    if method:
+        group = {"wint8": -1, "wint4": 16}.get(method, 128)
+        gate_up, down = ([quantize(w, method, group) for w in ws] for ws in (gate_up, down))
+        gate_up, down = ([(_quantized_on(dev, q), q) for q in ws] for ws in (gate_up, down))
+    else:
+        gate_up, down = ([dev.put(w) for w in ws] for ws in (gate_up, down))
     bias, bh = dev.put(_randn(rng, e, scale=0.5), "float32") if p["bias"] else (None, None)
     # expert parallelism: this rank holds experts first .. first + count - 1 only
     first, count = p.get("local", (0, e))
@@ -391,6 +398,11 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 + (f", experts {local[0]}..{local[0] + local[1] - 1} local" if local else ""),
                 params=dict(n=7, hidden=32, inter=48, experts=experts, top_k=top_k, scoring=scoring, bias=bias,
                             renormalize=renorm, **({"local": local} if local else {})))
+        for method in sorted(capabilities.quantization):
+            # --quantization reaches the routed experts too: moe gets them in the canonical form
+            add("moe", f"x[7, 32] 8 experts top-2 softmax, {method} experts",
+                params=dict(n=7, hidden=32, inter=48, experts=8, top_k=2, scoring="softmax", bias=False,
+                            renormalize=True, experts_quantized=method))
         for op in ("sample", "sample_async"):
             for kind, rows, vocab, logprobs in [("greedy", 5, 1000, 0), ("filters", 8, 1000, 5),
                                                 ("penalties", 8, 300, 1)]:
