@@ -46,6 +46,8 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype bfloat16: a float KV cache is kept in the model's dtype"),
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: the cpu backend"),
     (["--tensor-parallel-size", "100000"], "--tensor-parallel-size 100000: the cpu backend"),
+    (["--tensor-parallel-size", "2", "--enable-expert-parallel"],
+     "--enable-expert-parallel: LlamaForCausalLM has no mixture-of-experts layers"),
     (["--dtype", "bfloat16"], "--dtype bfloat16: the cpu backend"),
 ])
 def test_flags_the_backend_cannot_honour_fail_at_start_up(flag, message):
