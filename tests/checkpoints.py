@@ -328,6 +328,17 @@ ERNIE_45_03B = dict(
 )
 
 
+def _ernie_tokenizer(folder: Path) -> None:
+    """Like Baidu's -PT repos: a tokenizer.json (here the one transformers derives from the
+    sentencepiece model) with a chat template, tokenizer.model beside it, and their
+    generation_config."""
+    from transformers import LlamaTokenizer
+
+    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
+    LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)
+    _write_json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+
+
 def make_ernie45(tmp: Path, *, seed: int = 2, **overrides) -> Path:
     """ERNIE 4.5 dense (tied, head_dim 16, no biases unless ``use_bias=True``), sentencepiece tokenizer."""
     import torch
@@ -357,13 +368,7 @@ def make_ernie45(tmp: Path, *, seed: int = 2, **overrides) -> Path:
     model = Ernie4_5ForCausalLM(Ernie4_5Config(**settings)).float()
     _randomise_norms(model)
     _save_model(model, folder)
-    # Like Baidu's -PT repos: a tokenizer.json (here the one transformers derives from the
-    # sentencepiece model) with a chat template; tokenizer.model stays beside it.
-    from transformers import LlamaTokenizer
-
-    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
-    LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)
-    _write_json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    _ernie_tokenizer(folder)
     return folder
 
 
@@ -425,11 +430,7 @@ def make_ernie45_moe(tmp: Path, *, seed: int = 4, **overrides) -> Path:
     _randomise_norms(model)
     _randomise_correction_bias(model)
     _save_model(model, folder)
-    from transformers import LlamaTokenizer
-
-    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
-    LlamaTokenizer.from_pretrained(folder).save_pretrained(folder)
-    _write_json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    _ernie_tokenizer(folder)
     return folder
 
 

@@ -40,8 +40,9 @@ class DecoderTraits:
     def moe_spec(self, c: ModelConfig) -> MoeSpec | None:
         return None if self.moe is None else moe_spec(self.moe, c)
 
-    def weight_shapes(self, c: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """HF name -> ``[out, in]`` shape of every weight; biases where the config has them."""
+    def weight_shapes(self, c: ModelConfig, experts: range | None = None) -> dict[str, tuple[int, ...]]:
+        """HF name -> ``[out, in]`` shape of every weight; biases where the config has them.
+        ``experts``: the routed experts to include (all by default)."""
         h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
         moe = self.moe_spec(c)
         q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
@@ -59,7 +60,7 @@ class DecoderTraits:
                 shapes[p + "self_attn.q_norm.weight"] = (d,)
                 shapes[p + "self_attn.k_norm.weight"] = (d,)
             if moe is not None and i in moe.sparse_layers:
-                shapes.update(moe.weight_shapes(p, h))
+                shapes.update(moe.weight_shapes(p, h, experts))
             else:
                 for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
                     shapes[f"{p}mlp.{proj}_proj.weight"] = shape
@@ -154,7 +155,9 @@ class DecoderForCausalLM:
         LM head and the norms stay in the model's dtype. A quantized weight (``QuantizedWeight``)
         stays quantized where the op table has a ``linear`` for its method (the backend declares
         it) and is dequantized here otherwise, with one log line per method."""
-        expected = self._own_weights(self.traits.weight_shapes(self.config))
+        # with experts dealt out, other ranks' experts are skipped as the checkpoint streams by
+        mine = None if self.moe is None else self.tp.local_experts(self.moe.num_experts)
+        expected = self.traits.weight_shapes(self.config, mine)
         host: dict[str, HostWeight] = {}
         for name, array in weights:
             want = expected.get(name)
@@ -178,22 +181,6 @@ class DecoderForCausalLM:
         for method, count in sorted(self._unfused.items()):
             log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks of "
                      "the fused q/k/v or gate/up matrix", count, method, self.dtype)
-
-    def _own_weights(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """The weights this rank loads: with experts dealt out, other ranks' experts are skipped
-        as the checkpoint streams by."""
-        if self.moe is None:
-            return shapes
-        mine = self.tp.local_experts(self.moe.num_experts)
-        if len(mine) == self.moe.num_experts:
-            return shapes
-
-        def other_rank(name: str) -> bool:
-            parts = name.split(".")
-            return "experts" in parts and parts[parts.index("experts") + 1].isdigit() and \
-                int(parts[parts.index("experts") + 1]) not in mine
-
-        return {name: shape for name, shape in shapes.items() if not other_rank(name)}
 
     def _upload(self, host: dict[str, HostWeight]) -> None:
         up, tp = self._to_device, self.tp

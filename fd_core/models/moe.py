@@ -36,12 +36,14 @@ class MoeSpec:
     sparse_layers: frozenset[int]
     scoring: str = "softmax"
 
-    def weight_shapes(self, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
-        """HF name -> shape of the weights of the sparse layer at ``prefix`` (``model.layers.3.``)."""
+    def weight_shapes(self, prefix: str, hidden: int, experts: range | None = None) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of the weights of the sparse layer at ``prefix`` (``model.layers.3.``);
+        of the routed experts, only ``experts`` (all by default: a rank's share under expert
+        parallelism)."""
         inter = self.intermediate_size
         p = prefix + "mlp."
         shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (self.num_experts, hidden)}
-        for e in range(self.num_experts):
+        for e in range(self.num_experts) if experts is None else experts:
             shapes[f"{p}experts.{e}.gate_proj.weight"] = (inter, hidden)
             shapes[f"{p}experts.{e}.up_proj.weight"] = (inter, hidden)
             shapes[f"{p}experts.{e}.down_proj.weight"] = (hidden, inter)
