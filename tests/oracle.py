@@ -46,3 +46,26 @@ def hf_logits(model_dir: Path, token_ids: list[int], **load_kwargs) -> np.ndarra
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     """max |a - b| / max |b|: one number per comparison, scale-free."""
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def teacher_forced_ties(hf, prompts: list[list[int]], outputs: list[list[int]], steps: int = 64,
+                        tie: float = 1e-4) -> int:
+    """fd's greedy ``outputs`` against a transformers model ``hf`` (on a GPU) given fd's own
+    prefixes (one forward per prompt, so one near-tie cannot cascade into a different
+    continuation): a token that is not transformers' argmax must be within ``tie`` of it (float32
+    noise between kernel mixes). Returns how many such near-ties there were."""
+    import torch
+
+    ties = 0
+    for prompt, tokens in zip(prompts, outputs):
+        assert len(tokens) == steps
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0].float()
+        rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        best = rows.argmax(-1)
+        for step, token in enumerate(tokens):
+            if token != int(best[step]):
+                gap = float(rows[step, best[step]] - rows[step, token])
+                assert gap < tie, f"step {step}: fd chose {token}, transformers {int(best[step])} by {gap}"
+                ties += 1
+    return ties

@@ -260,7 +260,26 @@ OP_SPECS: dict[str, OpSpec] = {
             expert_offset + len(gate_up) - 1`` of the E the router scores; a chosen expert outside
             that range adds nothing (its rank adds it), so a token that chose none gets zeros.
             The core passes ``expert_offset`` only with --enable-expert-parallel.
+            A 16-bit implementation may round the activation between the two products to the
+            operand dtype, and one on quantized experts may compute in bfloat16 as a quantized
+            ``linear`` may (the conformance kit's tolerances say how far).
             """,
+        ),
+        _spec(
+            "pack_experts",
+            "pack_experts(gate_up: list[T[2I, H] | QuantizedWeight], down: list[T[H, I] | QuantizedWeight])"
+            " -> tuple[Any, Any]",
+            """
+            Optional (1.8). Called once at load on each sparse layer's routed experts (this
+            rank's), already on the device in the canonical form (quantized experts as
+            QuantizedWeight); returns the ``(gate_up, down)`` this backend's ``moe`` reads in
+            their place, e.g. one stacked ``[E, 2I, H]`` tensor for a grouped GEMM. It is paired
+            with ``moe`` by implementation name: only the ``moe`` registered under the same name
+            receives what it returns, and without one ``moe`` gets the lists. A ``moe`` with a
+            ``pack_experts`` must still take the lists (its pack may keep them, for a layout its
+            kernel does not read).
+            """,
+            optional=True,
         ),
         _spec(
             "sample",

@@ -76,12 +76,14 @@ class DecoderTraits:
 
 @dataclass
 class Experts:
-    """A sparse layer's weights: the router (float32), each routed expert's fused gate/up and
-    down, the correction bias the router's choice adds (ERNIE), and the shared expert (ERNIE)."""
+    """A sparse layer's weights: the router (float32), the routed experts' fused gate/up and
+    down (lists, one entry per expert, or what the backend's ``pack_experts`` made of them),
+    the correction bias the router's choice adds (ERNIE), and the shared expert (ERNIE)."""
 
     router: Tensor
-    gate_up: list[Tensor]
-    down: list[Tensor]
+    gate_up: Any
+    down: Any
+    count: int  # this rank's routed experts
     first: int  # the id of gate_up[0]: with experts dealt out over ranks, this rank's first
     correction_bias: Tensor | None
     shared_gate_up: Tensor | None
@@ -260,12 +262,18 @@ class DecoderForCausalLM:
             return up(fused(names[:2]), pack=False), down(names[2], pack=False)
 
         experts = [expert(e) for e in mine]
+        pack = getattr(self.ops, "pack_experts", None)
+        routed = [g for g, _ in experts], [d for _, d in experts]
+        if pack is not None:
+            del experts  # the lists alone hold the canonical forms while the backend packs them
+            routed = pack(*routed)
         bias = host.pop(p + "moe_statics.e_score_correction_bias", None)
         shared = spec.shared_intermediate_size > 0
         return Experts(
             router=up(host.pop(p + "gate.weight"), norm=True),  # float32, as the reference routes
-            gate_up=[gate_up for gate_up, _ in experts],
-            down=[d for _, d in experts],
+            gate_up=routed[0],
+            down=routed[1],
+            count=len(mine),
             first=mine.start,
             correction_bias=None if bias is None else up(as_float(bias).reshape(-1), norm=True),
             shared_gate_up=up(fused([p + "shared_experts.gate_proj.weight", p + "shared_experts.up_proj.weight"]))
@@ -330,7 +338,7 @@ class DecoderForCausalLM:
         assert spec is not None
         # expert_offset only where experts are dealt out: a backend's moe older than the
         # contract's 1.7 does not take it
-        extra = {"expert_offset": experts.first} if len(experts.gate_up) < spec.num_experts else {}
+        extra = {"expert_offset": experts.first} if experts.count < spec.num_experts else {}
         out = ops.moe(x, experts.router, experts.gate_up, experts.down, spec.top_k, spec.scoring,
                       spec.renormalize, experts.correction_bias, **extra)
         if experts.shared_gate_up is not None:
@@ -376,7 +384,7 @@ class DecoderForCausalLM:
             for key, value in vars(layer).items():
                 if isinstance(value, Experts):
                     for part, tensor in vars(value).items():
-                        if isinstance(tensor, int):  # first: an expert id
+                        if isinstance(tensor, int):  # first, count: expert ids
                             continue
                         for e, t in enumerate(tensor) if isinstance(tensor, list) else [(None, tensor)]:
                             if t is not None:

@@ -163,11 +163,17 @@ class OpRegistry:
             raise ConfigError(f"--op names unknown ops {sorted(unknown)}; known: {sorted(OP_SPECS)}")
         choices: dict[str, Choice] = {}
         for op in OP_SPECS:
-            if op == "pack_linear":
-                continue  # only per method: a plain weight is never packed
+            if op in ("pack_linear", "pack_experts"):
+                continue  # pack_linear only per method; pack_experts goes with the moe chosen
             choice = self._choose(op, device_type, runtime, context, pins)
             if choice is not None:
                 choices[op] = choice
+        if "moe" in choices:
+            # the moe chosen reads only what its own pack_experts makes, or the lists
+            moe = choices["moe"].impl
+            paired = [i for i in self.implementations("pack_experts", device_type, runtime) if i.name == moe.name]
+            if paired:
+                choices["pack_experts"] = Choice("pack_experts", paired[0], f"paired with moe ({moe.name})")
         per_method: dict[str, dict[str, Choice]] = {}
         for method in sorted(set(methods)):
             picked = {}
@@ -244,7 +250,8 @@ class OpTable:
 
     def __post_init__(self) -> None:
         for op, choice in self.choices.items():
-            setattr(self, op, choice.impl.fn)
+            if op != "pack_experts":  # a method, identity where none was chosen
+                setattr(self, op, choice.impl.fn)
         plain = self.choices.get("linear")
         by_method = {m: c["linear"].impl.fn for m, c in self.per_method.items() if "linear" in c}
         if plain is not None and any(fn is not plain.impl.fn for fn in by_method.values()):
@@ -255,6 +262,12 @@ class OpTable:
         implementation packs nothing)."""
         choice = self.per_method.get(weight.method, {}).get("pack_linear")
         return weight if choice is None else choice.impl.fn(weight)
+
+    def pack_experts(self, gate_up: list[Any], down: list[Any]) -> tuple[Any, Any]:
+        """A sparse layer's experts in the form the chosen ``moe`` reads (the lists themselves
+        where that implementation packs nothing)."""
+        choice = self.choices.get("pack_experts")
+        return (gate_up, down) if choice is None else choice.impl.fn(gate_up, down)
 
     def has(self, op: str) -> bool:
         return op in self.choices

@@ -83,12 +83,23 @@ class BackendUnderTest:
             packs = {i.name: i.fn for i in self.registry.ops.implementations("pack_linear", p.device_type, p.runtime)
                      if i.accepts(context)[0]}
             found = {name: _packed(fn, packs[name]) if name in packs else fn for name, fn in found.items()}
+        if op == "moe":
+            # a moe is tested on what its own pack_experts (paired by name) made of the experts
+            packs = {i.name: i.fn for i in self.registry.ops.implementations("pack_experts", p.device_type, p.runtime)}
+            found = {name: _packed_experts(fn, packs[name]) if name in packs else fn for name, fn in found.items()}
         return found
 
 
 def _packed(linear: Callable[..., Any], pack: Callable[..., Any]) -> Callable[..., Any]:
     def run(x: Any, weight: Any, bias: Any = None) -> Any:
         return linear(x, pack(weight), bias)
+
+    return run
+
+
+def _packed_experts(moe: Callable[..., Any], pack: Callable[..., Any]) -> Callable[..., Any]:
+    def run(x: Any, router: Any, gate_up: Any, down: Any, *args: Any, **kwargs: Any) -> Any:
+        return moe(x, router, *pack(gate_up, down), *args, **kwargs)
 
     return run
 

@@ -39,6 +39,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
     "sample_async": {"rtol": 1e-5, "atol": 1e-5},  # its result(), as sample's
     "pack_linear": {"rtol": 0.0, "atol": 0.0},  # tested through linear: what it returns is private
+    "pack_experts": {"rtol": 0.0, "atol": 0.0},  # tested through moe, as pack_linear is
 }
 
 # A 16-bit implementation computes in float32 (the contract says where) on the same rounded
@@ -60,13 +61,15 @@ HALF_ATTENTION_TOLERANCES: dict[str, dict[str, float]] = {
 def tolerance(op: str, dtype: str = "float32", quantization: str | None = None) -> dict[str, float]:
     """``assert_allclose`` tolerances of ``op`` computed in ``dtype`` against this specification
     run in float32 on the same (rounded) inputs. Exact ops stay exact; ``sample``'s logprobs are
-    computed in float32 whatever the logits' dtype. A quantized ``linear`` may round to bfloat16
-    (``QUANTIZED_LINEAR_TOLERANCE``) whatever ``dtype``."""
-    if op == "linear" and quantization:
+    computed in float32 whatever the logits' dtype. A quantized ``linear`` (and ``moe`` on
+    quantized experts) may round to bfloat16 (``QUANTIZED_LINEAR_TOLERANCE``) whatever
+    ``dtype``; a 16-bit ``moe`` may round the activation between its two products to the
+    operand dtype, as attention its probabilities."""
+    if op in ("linear", "moe") and quantization:
         return QUANTIZED_LINEAR_TOLERANCE
     if dtype == "float32" or op in ("embedding", "sample", "sample_async"):
         return TOLERANCES[op]
-    table = HALF_ATTENTION_TOLERANCES if op == "attention" else HALF_TOLERANCES
+    table = HALF_ATTENTION_TOLERANCES if op in ("attention", "moe") else HALF_TOLERANCES
     if dtype not in table:
         raise ValueError(f"no stated tolerance for dtype {dtype!r}; known: float32, {', '.join(table)}")
     return table[dtype]
@@ -130,6 +133,11 @@ def rotary(
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
     """The specification packs nothing: its linear reads the canonical layout."""
     return weight
+
+
+def pack_experts(gate_up: list, down: list) -> tuple[list, list]:
+    """The specification packs nothing: its moe reads the lists."""
+    return gate_up, down
 
 
 def linear(

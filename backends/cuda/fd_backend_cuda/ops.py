@@ -17,6 +17,11 @@ every op not listed in ``OPS``, to the reference implementation.
 * ``linear`` / ``pack_linear`` for wint8, wint4 (zeros or not, per channel or groups of 16 and
   more) and block_wise_fp8 weights: registered apart from ``OPS`` (``plugin.py``), chosen per
   quantization method; plain weights go to cuBLAS.
+* ``moe`` / ``pack_experts``: the fused MoE (``kernels/moe.py``): experts stacked once at load,
+  tokens sorted and padded by expert on the device, two grouped GEMMs (SiLU-and-mul fused
+  into the first, the routing weight into the second), float32 combine; plain float32 /
+  float16 / bfloat16 experts and wint8, wint4, block_wise_fp8 ones; capturable in CUDA graphs.
+  Registered apart from ``OPS`` (``plugin.py``) as one pair: the moe reads what its pack made.
 * ``sample``: logits in float32, float16 or bfloat16 (math in float32), any vocabulary size; the
   token choice (greedy, temperature, top-k, top-p, min-p, the counter-based noise) and the raw
   logprob and rank in one Triton program per row without sorting; penalties and suppression
@@ -34,6 +39,7 @@ from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatc
 
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
+from fd_backend_cuda.kernels.moe import moe, pack_experts
 from fd_backend_cuda.kernels.quantized_linear import METHODS as QUANTIZED_METHODS
 from fd_backend_cuda.kernels.quantized_linear import linear as quantized_linear
 from fd_backend_cuda.kernels.quantized_linear import pack_linear

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.6"  # quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
+FD_API_VERSION = "1.8"  # pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
 
 
 @hookimpl
@@ -42,6 +42,16 @@ def fd_register_ops(registry):
     for op, fn in (("linear", ops.quantized_linear), ("pack_linear", ops.pack_linear)):
         registry.register(op, "cuda", fn, name="triton-quantized", priority=10, supports=quantized,
                           runtime="torch")
+    def experts(dtype=None, quantization=None, **_):
+        import torch
+
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return (dtype is None or dtype in ops.FLOAT_DTYPES) and quantization in (None, *ops.QUANTIZED_METHODS)
+
+    experts.why = lambda **_: "it serves float32/float16/bfloat16 models with plain, wint8, wint4 or block_wise_fp8 experts"
+    # the fused MoE (kernels/moe.py) reads the experts its own pack_experts stacked at load
+    for op, fn in (("moe", ops.moe), ("pack_experts", ops.pack_experts)):
+        registry.register(op, "cuda", fn, name="triton-moe", priority=10, supports=experts, runtime="torch")
     # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
     # kernels (cuBLAS for the matmuls), not a fallback.
     registry.use_reference("cuda", "torch")

@@ -1,12 +1,18 @@
-"""Mixture-of-experts models on the cuda backend, CUDA graphs on: the tiny random Qwen3-MoE and
-ERNIE 4.5 MoE checkpoints give the CPU's greedy tokens in float32 (the cuda backend has no
-fused MoE kernel yet: the torch reference ``moe`` runs, in its graph-safe form inside captured
-decode steps)."""
+"""Mixture-of-experts models on the cuda backend (the fused MoE kernel, CUDA graphs on): the tiny
+random Qwen3-MoE and ERNIE 4.5 MoE checkpoints give the CPU's greedy tokens in float32; an
+ERNIE-4.5-21B-A3B-shaped random model at reduced depth gives transformers' greedy tokens in
+float32, plain and with every decoder linear in wint4, and its bfloat16 logits are no further
+from transformers' float32 ones than transformers' own bfloat16 forward's (times 1.5, as
+``test_ernie.py``); two GPUs give one GPU's tokens."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import numpy as np
 import pytest
+from tests.oracle import teacher_forced_ties
 
 from tests import checkpoints
 
@@ -30,18 +36,23 @@ def test_greedy_tokens_equal_the_cpu(tmp_path, make, eager):
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
 
 
-def _greedy(model, tp: int, expert_parallel: bool, prompts: list[list[int]]) -> list[list[int]]:
-    import gc
-
-    llm = LLM(model=str(model), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
-              tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, gpu_memory_utilization=0.3)
+@contextlib.contextmanager
+def _loaded(model, **kw):
+    """An LLM on the GPU, shut down and its memory returned on leaving (the next one, or
+    transformers, gets the GPU)."""
+    llm = LLM(model=str(model), device="cuda", max_num_seqs=8, **kw)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        yield llm
     finally:
         llm.engine.core.shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def _greedy(model, prompts: list[list[int]], steps: int = 32, **kw) -> list[list[int]]:
+    with _loaded(model, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -63,4 +74,126 @@ def test_two_gpus_give_the_greedy_output_of_one(tmp_path, expert_parallel):
     rng = np.random.default_rng(3)
     for model, vocab in ((tiny, 500), (large, shape["vocab_size"])):
         prompts = [rng.integers(3, vocab, size=int(rng.integers(8, 120))).tolist() for _ in range(8)]
-        assert _greedy(model, 2, expert_parallel, prompts) == _greedy(model, 1, False, prompts)
+        common = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.3}
+        assert (_greedy(model, prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **common)
+                == _greedy(model, prompts, **common))
+
+
+# --- ERNIE-4.5-21B-A3B's shape at reduced depth against transformers ----------------------------
+
+BF16_RATIO = 1.5  # as test_ernie.py: fd's bf16 error at most 1.5x transformers' own bf16 error
+LAYERS = 3  # one dense layer, then two sparse ones (64 experts, top-6, two shared experts)
+
+
+@pytest.fixture(scope="module")
+def ernie_21b(tmp_path_factory):
+    """``(plain, dequantized)``: the random checkpoint (bfloat16), and the same with every decoder
+    linear replaced by its wint4 quantization (fd's --quantization wint4, group 128, zero
+    points) dequantized, in float32: the model fd runs with --quantization wint4, as
+    transformers can run it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import shutil
+
+    from fd_core.quantization.host import dequantize
+    from fd_core.quantization.quantize import LoadQuantization
+    from safetensors.numpy import save_file
+    from safetensors.torch import load_file
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+    tmp = tmp_path_factory.mktemp("ernie21b")
+    shape = dict(checkpoints.ERNIE_45_21B_A3B, num_hidden_layers=LAYERS, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=0)
+    plain = checkpoints.make_large_random(tmp, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, "plain", **shape)
+    dequantized = tmp / "wint4-dequantized"
+    shutil.copytree(plain, dequantized)
+    tensors = {k: v.float().numpy() for k, v in load_file(str(plain / "model.safetensors")).items()}
+    quantize = LoadQuantization("wint4", 128)
+    for name, value in tensors.items():
+        if name.endswith("_proj.weight"):
+            tensors[name] = dequantize(quantize(name, value))
+    save_file(tensors, str(dequantized / "model.safetensors"))
+    return plain, dequantized
+
+
+def _fd_logits(model, prompts, **kw):
+    from fd_core.engine.model_runner import prefill_batch, prepare_inputs
+
+    with _loaded(model, max_model_len=512, **kw) as llm:
+        runner = llm.engine.core.executor.runner
+        out = []
+        for prompt in prompts:
+            inputs, _ = prepare_inputs(prefill_batch([prompt], runner.block_size), runner.block_size)
+            inputs.logit_rows = np.arange(len(prompt), dtype=np.int64)
+            out.append(runner.run(inputs).float())
+    return out
+
+
+def _hf(path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
+
+
+def _prompts(count: int) -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    vocab = checkpoints.ERNIE_45_21B_A3B["vocab_size"]
+    return [rng.integers(3, vocab, size=int(rng.integers(8, 120))).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("variant", ["plain", "wint4"])
+def test_ernie_21b_shape_float32_greedy_tokens_match_transformers(ernie_21b, variant):
+    """8 prompts x 64 greedy steps, float32, CUDA graphs on. wint4: fd quantizes the plain
+    checkpoint's linears at load; transformers runs the same quantization dequantized."""
+    plain, dequantized = ernie_21b
+    prompts = _prompts(8)
+    extra = {"quantization": "wint4"} if variant == "wint4" else {}
+    tokens = _greedy(plain, prompts, steps=64, dtype="float32", max_model_len=512, **extra)
+    hf = _hf(dequantized if variant == "wint4" else plain, torch.float32)
+    ties = teacher_forced_ties(hf, prompts, tokens)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"ERNIE-4.5-21B-A3B shape, {LAYERS} layers, {variant}, float32: near-ties {ties}")
+    assert ties <= 1
+
+
+@pytest.mark.parametrize("variant", ["plain", "wint4"])
+def test_ernie_21b_shape_bfloat16_logits_within_tolerance(ernie_21b, variant):
+    plain, dequantized = ernie_21b
+    prompts = _prompts(4)
+    extra = {"quantization": "wint4"} if variant == "wint4" else {}
+    ours = _fd_logits(plain, prompts, dtype="bfloat16", **extra)
+    reference = dequantized if variant == "wint4" else plain
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = _hf(reference, dtype)
+        with torch.no_grad():
+            logits = [hf(torch.tensor([p], device="cuda")).logits[0].float() for p in prompts]
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+        if dtype == torch.float32:
+            exact = logits
+        else:
+            theirs = logits
+    err_fd, err_hf = 0.0, 0.0
+    gaps, flips_fd, flips_hf = [], [], []
+    for mine, want, their in zip(ours, exact, theirs):
+        err_fd = max(err_fd, float((mine - want).abs().max()))
+        err_hf = max(err_hf, float((their - want).abs().max()))
+        top2 = want.topk(2, dim=-1).values
+        gaps.append(top2[:, 0] - top2[:, 1])
+        flips_fd.append(mine.argmax(-1) != want.argmax(-1))
+        flips_hf.append(their.argmax(-1) != want.argmax(-1))
+    gap, fd_flip, hf_flip = torch.cat(gaps), torch.cat(flips_fd), torch.cat(flips_hf)
+    # a bf16 forward's logits move by up to err_hf, so where float32's top two are further apart
+    # than that, no bf16 forward as good as transformers' may choose differently
+    clear = gap > err_hf
+    print(f"ERNIE-4.5-21B-A3B shape, {LAYERS} layers, {variant}, bfloat16 logits: max |fd - hf fp32| = "
+          f"{err_fd:.4f}, max |hf bf16 - hf fp32| = {err_hf:.4f}; argmax differs from fp32's at "
+          f"{int(fd_flip.sum())} (fd) and {int(hf_flip.sum())} (hf bf16) of {gap.numel()} positions, "
+          f"{int(fd_flip[clear].sum())} (fd) of the {int(clear.sum())} whose top-2 gap exceeds {err_hf:.3f}; "
+          f"logit std {float(exact[0].std()):.3f}")
+    assert err_fd <= BF16_RATIO * err_hf
+    assert int(fd_flip[clear].sum()) == 0

@@ -43,12 +43,79 @@ FUSED_MAX_ROWS_INT4 = 64
 
 
 @triton.jit
+def weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP,
+               KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC_OFFSET: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc`` plus one K step, columns ``k0 .. k0 + BLOCK_K``, of ``x @ dequantize(w).T``.
+
+    ``x_rows`` / ``w_rows``: pointers to the rows' starts (``[BLOCK_M, 1]`` / ``[BLOCK_N, 1]``),
+    ``s_rows`` / ``z_rows``: to each output row's scales / zeros (``[BLOCK_N]``; fp8: the row's
+    128-row block). ``KIND``: 0 int8, 1 packed int4, 2 fp8 bits, 3 a plain matrix (converted to
+    x's dtype). ``PRECISION``: "ieee" for float32 ``x`` (exact products), ignored for 16-bit.
+    Shared by the quantized ``linear`` and the fused ``moe`` (``kernels/moe.py``)."""
+    x_dtype = x_rows.dtype.element_ty
+    if KIND == 1:
+        # one step is a chunk of BLOCK_K columns: byte i of it holds column i (low nibble)
+        # and column BLOCK_K / 2 + i (high), each half within one group
+        rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_rows + rh[None, :], mask=n_ok[:, None], other=0x88)
+        r_low = k0 + tl.arange(0, BLOCK_K // 2)
+        x_low = tl.load(x_rows + r_low[None, :], mask=m_ok[:, None], other=0.0)
+        x_high = tl.load(x_rows + BLOCK_K // 2 + r_low[None, :], mask=m_ok[:, None], other=0.0)
+        s_low = tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)
+        s_high = tl.load(s_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)
+        if x_dtype == tl.float32:
+            # exact float32 (the oracle's dtype): the magic offset below would cancel away
+            # float32 operands' low bits, so the values are converted outright
+            low = ((packed & 0xF).to(tl.int16) - 8).to(tl.float32)
+            high = ((packed >> 4).to(tl.int16) - 8).to(tl.float32)
+            acc += tl.dot(x_low, tl.trans(low), input_precision=PRECISION) * s_low[None, :]
+            acc += tl.dot(x_high, tl.trans(high), input_precision=PRECISION) * s_high[None, :]
+            if HAS_ZEROS:
+                sum_low = tl.sum(x_low, axis=1)[:, None]
+                sum_high = tl.sum(x_high, axis=1)[:, None]
+        else:
+            # u = q + 8 in [0, 15] OR-ed into the mantissa of MAGIC (bf16 128, fp16 1024) is the
+            # float MAGIC + u exactly, with no int-to-float conversion; the dot's excess,
+            # (MAGIC + 8) * sum(x), is taken off after it
+            low = ((packed & 0xF).to(tl.int16) | MAGIC_BITS).to(x_dtype, bitcast=True)
+            high = ((packed >> 4).to(tl.int16) | MAGIC_BITS).to(x_dtype, bitcast=True)
+            # sum(x) broadcast over the output columns through the tensor cores (a dot with
+            # ones), not a cross-thread reduction per step
+            ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, x_dtype)
+            sum_low = tl.dot(x_low, ones)
+            sum_high = tl.dot(x_high, ones)
+            acc += (tl.dot(x_low, tl.trans(low)) - MAGIC_OFFSET * sum_low) * s_low[None, :]
+            acc += (tl.dot(x_high, tl.trans(high)) - MAGIC_OFFSET * sum_high) * s_high[None, :]
+        if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over each group's columns
+            acc += sum_low * tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+            acc += sum_high * tl.load(z_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)[None, :]
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        q = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        if KIND == 2:  # uint8 bits: a masked lane reads 0, never a NaN pattern
+            q = q.to(tl.float8e4nv, bitcast=True)
+        part = tl.dot(x, tl.trans(q.to(x_dtype)), input_precision=PRECISION)
+        if KIND == 3:
+            acc += part
+        else:
+            # one scale per group (fp8: per 128 x 128 block, GROUP being 128)
+            acc += part * tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+            if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
+                z = tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
+    return acc
+
+
+@triton.jit
 def _quantized_linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
     M, N, K, GROUP, K_SPLIT,
     stride_xm, stride_wn, stride_sn, stride_ym,
     KIND: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-    MAGIC_BITS: tl.constexpr, MAGIC_OFFSET: tl.constexpr,
+    MAGIC_BITS: tl.constexpr, MAGIC_OFFSET: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -61,52 +128,13 @@ def _quantized_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + ((rn // 128) if KIND == 2 else rn).to(tl.int64) * stride_sn
+    z_rows = z_ptr + rn.to(tl.int64) * stride_sn
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if KIND == 1:
-            # one step is a chunk of BLOCK_K columns: byte i of it holds column i (low nibble)
-            # and column BLOCK_K / 2 + i (high), each half within one group
-            rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_rows + rh[None, :], mask=n_ok[:, None], other=0x88)
-            # u = q + 8 in [0, 15] OR-ed into the mantissa of MAGIC (bf16 128, fp16 1024) is the
-            # float MAGIC + u exactly, with no int-to-float conversion; the dot's excess,
-            # (MAGIC + 8) * sum(x), is taken off after it
-            low = ((packed & 0xF).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
-            high = ((packed >> 4).to(tl.int16) | MAGIC_BITS).to(x_ptr.dtype.element_ty, bitcast=True)
-            r_low = k0 + tl.arange(0, BLOCK_K // 2)
-            x_low = tl.load(x_rows + r_low[None, :], mask=m_ok[:, None], other=0.0)
-            x_high = tl.load(x_rows + BLOCK_K // 2 + r_low[None, :], mask=m_ok[:, None], other=0.0)
-            # sum(x) broadcast over the output columns through the tensor cores (a dot with
-            # ones), not a cross-thread reduction per step
-            ones = tl.full((BLOCK_K // 2, BLOCK_N), 1.0, x_ptr.dtype.element_ty)
-            sum_low = tl.dot(x_low, ones)
-            sum_high = tl.dot(x_high, ones)
-            s_rows = s_ptr + rn.to(tl.int64) * stride_sn
-            s_low = tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)
-            s_high = tl.load(s_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)
-            acc += (tl.dot(x_low, tl.trans(low)) - MAGIC_OFFSET * sum_low) * s_low[None, :]
-            acc += (tl.dot(x_high, tl.trans(high)) - MAGIC_OFFSET * sum_high) * s_high[None, :]
-            if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over each group's columns
-                z_rows = z_ptr + rn.to(tl.int64) * stride_sn
-                acc += sum_low * tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-                acc += sum_high * tl.load(z_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)[None, :]
-        else:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            q = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            if KIND == 2:  # uint8 bits: a masked lane reads 0, never a NaN pattern
-                q = q.to(tl.float8e4nv, bitcast=True)
-            part = tl.dot(x, tl.trans(q.to(x.dtype)))
-            if KIND == 2:  # one scale per 128 x 128 block
-                s = tl.load(s_ptr + (rn // 128).to(tl.int64) * stride_sn + k0 // 128, mask=n_ok, other=0.0)
-            else:
-                s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-            acc += part * s[None, :]
-            if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
-                z = tl.load(z_ptr + rn.to(tl.int64) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
+        acc = weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP, KIND, HAS_ZEROS,
+                         MAGIC_BITS, MAGIC_OFFSET, BLOCK_N, BLOCK_K, PRECISION)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -324,7 +352,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    dot_x = x2 if x2.dtype in _DOT_DTYPES else x2.to(torch.bfloat16)  # tl.dot: no float32 integer path
+    dot_x = x2  # float32 too: the weight's integers are exact in float32, the products "ieee"
     m = x2.shape[0]
     if not m:
         return x.new_empty((*shape[:-1], out_features))
@@ -357,6 +385,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         KIND=kind, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, ATOMIC=atomic,
         MAGIC_BITS=0x4300 if dot_x.dtype == torch.bfloat16 else 0x6400,
         MAGIC_OFFSET=136.0 if dot_x.dtype == torch.bfloat16 else 1032.0,
+        PRECISION="ieee" if dot_x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit operands
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     if atomic:
