@@ -150,9 +150,9 @@ class AsyncEngineClient:
         return self
 
     def _load_tokenizer(self):
-        from fd_core.loader import load_checkpoint, resolve_model
+        from fd_core.engine.loading import open_checkpoint
 
-        return load_checkpoint(resolve_model(self.config.model)).tokenizer
+        return open_checkpoint(self.config).tokenizer
 
     async def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
 from fd_core.quantization.kv_cache import KV_QUANTIZED
+
+LOAD_FORMATS = ("auto", "dummy")
 from fd_core.quantization.quantize import check_group_size, method_name
 
 GiB = 1 << 30
@@ -62,6 +64,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # a mixture of experts' experts dealt out whole over the tensor-parallel ranks
     enable_expert_parallel: bool = False
+    # auto: the checkpoint's weights; dummy: random ones from its config (speed and memory runs)
+    load_format: str = "auto"
     quantization: str | None = None  # wint8, wint4, block_wise_fp8 (fp8): decoder linears quantized at load
     quantization_group_size: int | None = None  # None: the method's default (wint4: 128)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 / fp8_e4m3 (fp8) where declared
@@ -101,6 +105,8 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ConfigError("--async-scheduling works with --tensor-parallel-size 1 only (the other ranks "
                               "would need the sampled tokens on their devices)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format {self.load_format}: accepted values are {', '.join(LOAD_FORMATS)}")
         if self.quantization is not None:
             try:
                 self.quantization = method_name(self.quantization)

@@ -23,13 +23,18 @@ from fd_core.engine.config import (
     GiB,
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
-from fd_core.engine.loading import load_runner
+from fd_core.engine.loading import load_runner, open_checkpoint
 from fd_core.engine.model_runner import PLACEHOLDER, Launched
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
-from fd_core.errors import ConfigError, InvalidRequestError, PromptTooLongError, check_text
+from fd_core.errors import (
+    ConfigError,
+    InvalidRequestError,
+    PromptTooLongError,
+    check_text,
+)
 from fd_core.interfaces import Platform, SampleOutput
 from fd_core.models import TensorParallel, moe_spec
 from fd_core.quantization.kv_cache import row_bytes as kv_row_bytes
@@ -121,7 +126,6 @@ def select_platform(config: EngineConfig, platform: Platform | None = None, regi
 
 class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
-        from fd_core.loader import load_checkpoint, resolve_model
         from fd_core.plugins import get_registry
 
         registry = registry or get_registry()
@@ -129,7 +133,7 @@ class EngineCore:
         self.capabilities = self.platform.capabilities()
         self.config = config
 
-        checkpoint = load_checkpoint(resolve_model(config.model))
+        checkpoint = open_checkpoint(config)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         model_len = self.model_config.max_position_embeddings

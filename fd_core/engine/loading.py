@@ -12,14 +12,26 @@ from fd_core.plugins.ops import op_context
 from fd_core.quantization.quantize import LoadQuantization
 
 
+def open_checkpoint(config: EngineConfig) -> Any:
+    """``config.model`` as ``--load-format`` says: the checkpoint, or (dummy) its folder's config
+    and tokenizer with random weights, the linears already in ``--quantization``'s form."""
+    from fd_core.loader import load_checkpoint, resolve_model
+    from fd_core.loader.dummy import load_dummy
+
+    path = resolve_model(config.model)
+    if config.load_format == "dummy":
+        method = None if config.quantization is None else (config.quantization, config.quantization_group_size)
+        return load_dummy(path, method)
+    return load_checkpoint(path)
+
+
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
                 comm: Communicator | None = None, checkpoint: Any = None) -> ModelRunner:
     """``config.max_model_len`` must be resolved. ``checkpoint`` is loaded from ``config.model``
     when not given."""
-    from fd_core.loader import load_checkpoint, resolve_model
     from fd_core.models import TensorParallel, build_model
 
-    checkpoint = checkpoint or load_checkpoint(resolve_model(config.model))
+    checkpoint = checkpoint or open_checkpoint(config)
     model_config = checkpoint.config
     memory = platform.memory(rank % max(1, platform.device_count()))
     # each quantization method the backend declares gets its own linear; weights of other

@@ -164,6 +164,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="deal a mixture of experts' experts out whole over the --tensor-parallel-size ranks "
                         "instead of slicing each one (attention stays tensor-parallel)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="auto: the checkpoint's weights; dummy: random weights drawn from the folder's "
+                        "config.json, no weight file read (speed and memory runs; the tokenizer still loads)")
     p.add_argument("--quantization", default=None,
                    help="quantize the decoder's linear weights at load: wint8 (int8, a scale per output "
                         "channel), wint4 (int4, group-wise scales), block_wise_fp8 or fp8 (FP8 e4m3, "
@@ -200,7 +203,7 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_gb=args.kv_cache_memory_gb, num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        quantization=args.quantization,
+        load_format=args.load_format, quantization=args.quantization,
         quantization_group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,

@@ -136,11 +136,20 @@ class LoadQuantization:
                                   f"groups of {self.group_size}; choose a --quantization-group-size that divides "
                                   f"{in_features}, such as {fits} (or -1, one scale per output channel)")
         if isinstance(weight, QuantizedWeight):
+            if self.keeps(weight):
+                return weight
             self.requantized[weight.method] = self.requantized.get(weight.method, 0) + 1
         # wint4 with zero points: each group's range mapped onto all 16 levels. Measured on
         # SmolLM2 (docs/PERFORMANCE.md), it keeps perplexity far better than symmetric groups
         # (scale = max |w| / 7): +0.03% against +32% with groups of 32, +28% against +41% with 64.
         return quantize(as_float(weight), self.method, self.group_size, zeros=self.method == "wint4")
+
+    def keeps(self, weight: QuantizedWeight) -> bool:
+        """Whether ``weight`` is already what this quantization would make of it (the method,
+        its groups, wint4's zero points): it is then kept as stored, not quantized again."""
+        same_groups = self.method == "block_wise_fp8" or weight.group_size == self.group_size
+        return (weight.method == self.method and same_groups and not weight.layout
+                and (weight.zeros is not None) == (self.method == "wint4"))
 
     def report(self) -> None:
         for source, count in sorted(self.requantized.items()):

@@ -88,6 +88,19 @@ def prompts(count: int, length: int, seed: int) -> list[list[int]]:
 # -- transformers -------------------------------------------------------------------------------
 
 
+def timed_generate(model, batch, new: int) -> float:
+    """Seconds for transformers' greedy ``generate()`` of exactly ``new`` tokens after each row
+    of ``batch`` (token ids, equal lengths), on the GPU."""
+    ids = torch.tensor(batch, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def hf_run(model_dir: Path, args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -95,14 +108,7 @@ def hf_run(model_dir: Path, args) -> dict:
     out = {}
 
     def generate(batch: list[list[int]], new: int) -> float:
-        ids = torch.tensor(batch, device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return timed_generate(model, batch, new)
 
     one = prompts(1, 128, 1)
     generate(one, 8)  # warm-up

@@ -1,0 +1,148 @@
+"""ERNIE-4.5-21B-A3B's shape at full depth with random weights (``--load-format dummy``): ``fd
+serve`` on one GPU under ``fd bench serve`` over a concurrency sweep, 1,100-token prompts, and
+transformers' ``generate()`` on the same shape at batch 1 and 32.
+
+    python backends/cuda/benchmarks/moe_serve.py fd [--quantization wint4] [--concurrency 1 8 32 64]
+    python backends/cuda/benchmarks/moe_serve.py hf [--batches 1 32]
+
+``fd``: for each concurrency C, ``max(2 C, 8)`` requests of 1,100 prompt tokens and 128 output
+tokens (greedy, EOS ignored) after two warm-up requests; prints output tokens/s and TPOT / TTFT
+percentiles, and the highest output tokens/s whose TPOT p50 is at most 25 ms. The weights are
+drawn at load, so no 42 GB checkpoint is written. ``hf``: ``AutoModelForCausalLM.from_config``
+in bfloat16 on the GPU (random weights), ``generate()`` of 128 tokens after the same prompts:
+output tokens/s and the time per output token after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tests.checkpoints import ERNIE_45_21B_A3B
+
+PROMPT, OUTPUT, TPOT_LIMIT_MS = 1100, 128, 25.0
+
+
+def model_folder(folder: Path) -> Path:
+    """config.json and a tokenizer naming every id: all ``--load-format dummy`` needs."""
+    from e2e import whole_vocabulary_tokenizer
+    from transformers import Ernie4_5_MoeConfig
+
+    from tests import checkpoints
+
+    config = Ernie4_5_MoeConfig(**ERNIE_45_21B_A3B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.save_pretrained(folder)
+    checkpoints._sentencepiece_tokenizer(folder, chat_template=checkpoints.ERNIE_TEMPLATE)
+    whole_vocabulary_tokenizer(folder, ERNIE_45_21B_A3B["vocab_size"])
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_fd(args, folder: Path) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(folder), "--load-format",
+           "dummy", "--device", "cuda", "--dtype", "bfloat16", "--max-num-seqs", str(max(args.concurrency)),
+           "--max-model-len", str(PROMPT + OUTPUT + 64), "--port", str(port)]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
+    start = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"fd serve exited with {server.returncode}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        print(f"server ready in {time.perf_counter() - start:.0f} s ({args.quantization or 'bfloat16'})", flush=True)
+        rows = []
+        for c in args.concurrency:
+            out = Path(tempfile.mkstemp(suffix=".json")[1])
+            subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
+                            f"http://127.0.0.1:{port}", "--endpoint", "completions", "--concurrency", str(c),
+                            "--num-prompts", str(max(2 * c, 8)), "--input-len", str(PROMPT), "--output-len",
+                            str(OUTPUT), "--warmup", "2", "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+            r = json.loads(out.read_text())
+            rows.append((c, r))
+            print(f"concurrency {c}: {r['completed']} done, {r['failed']} failed, "
+                  f"{r['output_tokens_per_s']:.0f} output tokens/s, TPOT p50 {_ms(r, 'tpot', 'p50'):.1f} ms", flush=True)
+        ok = [(c, r) for c, r in rows if _ms(r, "tpot", "p50") <= TPOT_LIMIT_MS]
+        print("| clients | output tokens/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms |")
+        print("|---|---|---|---|")
+        for c, r in rows:
+            print(f"| {c} | {r['output_tokens_per_s']:.0f} | {_ms(r, 'tpot', 'p50'):.1f} / {_ms(r, 'tpot', 'p99'):.1f} "
+                  f"| {_ms(r, 'ttft', 'p50'):.0f} / {_ms(r, 'ttft', 'p99'):.0f} |")
+        if ok:
+            c, r = max(ok, key=lambda item: item[1]["output_tokens_per_s"])
+            print(f"best under TPOT p50 <= {TPOT_LIMIT_MS} ms: {r['output_tokens_per_s']:.0f} output tokens/s "
+                  f"at {c} clients")
+        else:
+            print(f"no concurrency kept TPOT p50 <= {TPOT_LIMIT_MS} ms")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def _ms(r: dict, metric: str, pct: str) -> float:
+    value = r[f"{metric}_ms"][pct]
+    return float("inf") if value is None else float(value)
+
+
+def run_hf(args, folder: Path) -> None:
+    import numpy as np
+    import torch
+    from e2e import timed_generate
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    start = time.perf_counter()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    print(f"transformers model built in {time.perf_counter() - start:.0f} s", flush=True)
+    rng = np.random.default_rng(0)
+
+    def generate(batch: int, new: int) -> float:
+        return timed_generate(model, rng.integers(3, config.vocab_size, size=(batch, PROMPT)).tolist(), new)
+
+    generate(1, 4)
+    for batch in args.batches:
+        first = generate(batch, 1)
+        full = generate(batch, OUTPUT)
+        print(f"transformers generate(), batch {batch}: {batch * OUTPUT / full:.1f} output tokens/s, "
+              f"{(full - first) / (OUTPUT - 1) * 1e3:.1f} ms per output token after the first "
+              f"(prefill of {PROMPT} tokens: {first:.2f} s)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("side", choices=("fd", "hf"))
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    args = parser.parse_args()
+    folder = model_folder(Path(tempfile.mkdtemp(prefix="ernie21b-")))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    (run_fd if args.side == "fd" else run_hf)(args, folder)
+
+
+if __name__ == "__main__":
+    main()
