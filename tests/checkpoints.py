@@ -482,6 +482,11 @@ def paddle_from_hf(source: Path, folder: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     hf = load_file(str(source / "model.safetensors"))
     paddle: dict[str, np.ndarray] = {}
+    def mlp(src: str, dst: str, kind: str) -> None:
+        gate, up = hf[f"{src}gate_proj.{kind}"], hf[f"{src}up_proj.{kind}"]
+        paddle[f"{dst}up_gate_proj.{kind}"] = np.concatenate([gate.T, up.T], axis=-1)
+        paddle[f"{dst}down_proj.{kind}"] = hf[f"{src}down_proj.{kind}"].T
+
     for layer in range(config["num_hidden_layers"]):
         src, dst = f"model.layers.{layer}.", f"ernie.layers.{layer}."
         for kind in ("weight", "bias"):
@@ -490,10 +495,18 @@ def paddle_from_hf(source: Path, folder: Path) -> Path:
                 continue
             k, v = hf[f"{src}self_attn.k_proj.{kind}"], hf[f"{src}self_attn.v_proj.{kind}"]
             paddle[f"{dst}self_attn.qkv_proj.{kind}"] = np.concatenate([q.T, k.T, v.T], axis=-1)
-            gate, up = hf[f"{src}mlp.gate_proj.{kind}"], hf[f"{src}mlp.up_proj.{kind}"]
-            paddle[f"{dst}mlp.up_gate_proj.{kind}"] = np.concatenate([gate.T, up.T], axis=-1)
             paddle[f"{dst}self_attn.o_proj.{kind}"] = hf[f"{src}self_attn.o_proj.{kind}"].T
-            paddle[f"{dst}mlp.down_proj.{kind}"] = hf[f"{src}mlp.down_proj.{kind}"].T
+            if f"{src}mlp.gate_proj.{kind}" in hf:
+                mlp(f"{src}mlp.", f"{dst}mlp.", kind)
+        if f"{src}mlp.gate.weight" in hf:  # a sparse layer: router [hidden, experts], experts fused
+            paddle[f"{dst}mlp.gate.weight"] = hf[f"{src}mlp.gate.weight"].T
+            bias = hf.get(f"{src}mlp.moe_statics.e_score_correction_bias")
+            if bias is not None:
+                paddle[f"{dst}mlp.moe_statics.e_score_correction_bias"] = bias
+            for e in range(config["moe_num_experts"]):
+                mlp(f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.{e}.", "weight")
+            if f"{src}mlp.shared_experts.gate_proj.weight" in hf:
+                mlp(f"{src}mlp.shared_experts.", f"{dst}mlp.shared_experts.", "weight")
         for norm in ("input_layernorm", "post_attention_layernorm"):
             paddle[f"{dst}{norm}.weight"] = hf[f"{src}{norm}.weight"]
     paddle["ernie.embed_tokens.weight"] = hf["model.embed_tokens.weight"]
@@ -518,7 +531,7 @@ def paddle_from_hf(source: Path, folder: Path) -> Path:
         "max_position_embeddings": config["max_position_embeddings"],
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config["num_key_value_heads"],
-        "head_dim": config["head_dim"],
+        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "num_hidden_layers": config["num_hidden_layers"],
         "rms_norm_eps": config["rms_norm_eps"],
         "vocab_size": config["vocab_size"],
@@ -533,10 +546,19 @@ def paddle_from_hf(source: Path, folder: Path) -> Path:
         "use_cache": False,
         "dtype": "float32",
     }
+    if "moe_num_experts" in config:  # Baidu's MoE configs name the class as transformers does
+        paddle_config["architectures"] = ["Ernie4_5_MoeForCausalLM"]
+        paddle_config["model_type"] = "ernie4_5_moe"
+        paddle_config.update({k: v for k, v in config.items() if k.startswith("moe_")})
     _write_json(folder / "config.json", paddle_config)
     _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
     shutil.copy(source / "generation_config.json", folder / "generation_config.json")
     return folder
+
+
+def make_ernie45_moe_paddle(tmp: Path, **overrides) -> Path:
+    """The weights of ``make_ernie45_moe(tmp, **overrides)`` in Paddle layout."""
+    return paddle_from_hf(make_ernie45_moe(tmp, **overrides), Path(tmp) / "ernie45-moe-paddle")
 
 
 def make_ernie45_paddle(tmp: Path, **overrides) -> Path:

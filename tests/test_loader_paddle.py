@@ -224,3 +224,43 @@ def test_fused_width_must_match_config(tmp_path):
     _paddle_folder(tmp_path / "ernie", qkv_width=HEADS * HEAD_DIM + KV * HEAD_DIM)
     with pytest.raises(CheckpointError, match="qkv_proj"):
         load_checkpoint(tmp_path / "ernie")
+
+
+@pytest.mark.oracle
+def test_moe_folder_gives_the_hf_folders_weights_and_tokens(tmp_path):
+    """ERNIE 4.5 MoE in Baidu's Paddle layout (routed and shared experts' fused ``up_gate_proj``
+    ``[in, 2I]``, the router ``[hidden, experts]``, ``moe_statics``): the weights the HF folder
+    gives, and the same greedy tokens."""
+    pytest.importorskip("transformers")
+    from fd_core import LLM, SamplingParams
+
+    paddle = checkpoints.make_ernie45_moe_paddle(tmp_path)
+    hf = tmp_path / "ernie45_moe"
+    assert is_paddle_layout(paddle) and not is_paddle_layout(hf)
+    theirs = dict(load_checkpoint(hf).weights())
+    checkpoint = load_checkpoint(paddle)
+    assert checkpoint.format == "paddle" and checkpoint.config.architecture == "Ernie4_5_MoeForCausalLM"
+    ours = dict(checkpoint.weights())
+    assert set(ours) == set(theirs)
+    assert any(".mlp.experts.7.up_proj." in name for name in ours)
+    for name, array in ours.items():
+        np.testing.assert_array_equal(np.asarray(array).reshape(np.shape(theirs[name])), theirs[name], err_msg=name)
+    prompts = [[5, 9, 14, 3], [7, 7, 21]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in LLM(model=str(folder), device="cpu", max_model_len=64,
+                                                      num_kv_blocks=64, block_size=4).generate(prompts, params,
+                                                                                                use_tqdm=False)]
+              for folder in (hf, paddle)]
+    assert tokens[0] == tokens[1]
+
+
+def test_moe_expert_missing_from_a_paddle_folder_is_named(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.numpy import load_file, save_file
+
+    paddle = checkpoints.make_ernie45_moe_paddle(tmp_path)
+    tensors = load_file(str(paddle / "model.safetensors"))
+    del tensors["ernie.layers.2.mlp.experts.5.up_gate_proj.weight"]
+    save_file(tensors, str(paddle / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.5\.gate_proj\.weight"):
+        load_checkpoint(paddle)

@@ -8,7 +8,12 @@ What differs from a Hugging Face folder (per Baidu's own Paddle-to-PyTorch conve
 * a Paddle ``Linear`` keeps its weight ``[in, out]``, so every projection is the transpose of the
   transformers one, and an untied ``lm_head.weight`` is ``[hidden, vocab]``;
 * q, k and v are one ``self_attn.qkv_proj`` whose output columns are ``[q | k | v]``, and gate and
-  up are one ``mlp.up_gate_proj`` whose output columns are ``[gate | up]`` (biases likewise);
+  up are one ``up_gate_proj`` whose output columns are ``[gate | up]`` (biases likewise): the dense
+  ``mlp.``'s, each routed expert's (``mlp.experts.E.``) and the shared experts'
+  (``mlp.shared_experts.``) in MoE checkpoints;
+* an MoE layer's router ``mlp.gate.weight`` is a Paddle ``Linear`` too (``[hidden, experts]``),
+  and its correction bias is ``mlp.moe_statics.e_score_correction_bias`` ``[1, experts]``, as in
+  transformers' folders;
 * embeddings and norms are stored as transformers stores them.
 
 The config uses the transformers key names (``hidden_size``, ``rope_theta``, ``use_bias``,
@@ -80,6 +85,22 @@ class _Fused:
         return part
 
 
+def _fused_parts(module: str, qkv: tuple[tuple[str, ...], list[int]], config: ModelConfig,
+                 shape: tuple[int, ...]) -> tuple[str, tuple[str, ...], list[int]] | None:
+    """``(owner prefix, part names, column widths)`` of a fused Paddle module, else None. Every
+    ``up_gate_proj`` (the dense MLP's, each routed expert's, the shared experts') is ``[gate | up]``
+    in equal halves: the dense one's width is checked against the config here, the experts'
+    parts by the shapes the config implies (``select_weights``)."""
+    if module.endswith(".self_attn.qkv_proj"):
+        return module[: -len("self_attn.qkv_proj")], *qkv
+    if module.endswith(".up_gate_proj"):
+        owner = module[: -len("up_gate_proj")]
+        dense = owner.endswith(".mlp.")
+        half = config.intermediate_size if dense else shape[-1] // 2
+        return owner, ("gate_proj", "up_proj"), [half, half]
+    return None
+
+
 def _paddle_to_hf(
     config: ModelConfig, tensors: SafetensorsSet, base: str
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, Callable[[], np.ndarray]]]:
@@ -88,10 +109,7 @@ def _paddle_to_hf(
     readers: dict[str, Callable[[], np.ndarray]] = {}
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    splits = {
-        "self_attn.qkv_proj": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv]),
-        "mlp.up_gate_proj": (("mlp.gate_proj", "mlp.up_proj"), [config.intermediate_size] * 2),
-    }
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), [q, kv, kv]
 
     def plain(name: str, transpose: bool) -> Callable[[], np.ndarray]:
         if transpose:
@@ -102,18 +120,17 @@ def _paddle_to_hf(
         shape = tensors.shape(name)
         hf = _HF_BASE + name[len(base) :] if name.startswith(base + ".") else name
         module, _, kind = hf.rpartition(".")
-        fused = next((key for key in splits if module.endswith("." + key)), None)
+        fused = _fused_parts(module, qkv, config, shape)
         if fused is not None:
-            parts, sizes = splits[fused]
+            owner, parts, sizes = fused
             if shape[-1] != sum(sizes):
                 raise CheckpointError(
                     f"Fused tensor {name} in {tensors.folder} has {shape[-1]} output columns, "
                     f"but the config implies {sum(sizes)}."
                 )
             blocks = _Fused(tensors, name, sizes)
-            layer = module[: -len(fused)]
             for index, (part, size) in enumerate(zip(parts, sizes, strict=True)):
-                target = f"{layer}{part}.{kind}"
+                target = f"{owner}{part}.{kind}"
                 shapes[target] = (size, *shape[:-1][::-1])
                 readers[target] = lambda blocks=blocks, index=index: blocks.part(index)
         elif hf == "lm_head.weight":

@@ -5,7 +5,8 @@
 
 For each token count and expert format (bfloat16, wint8, wint4, block_wise_fp8): microseconds per
 call inside a CUDA graph (router, alignment and both grouped GEMMs; one layer's experts are
-0.4 to 1.5 GB, far past the L2 cache), the alignment alone, the experts the tokens chose and
+0.4 to 1.5 GB, far past the L2 cache), the router and the alignment alone (two Triton programs
+up to ``FUSED_ALIGN_PAIRS`` pairs, torch ops above), the experts the tokens chose and
 their bytes, and those bytes per second as a fraction of the GPU's HBM bandwidth (the whole op,
 and the GEMMs alone, i.e. without the router and the alignment). Beside it, the torch reference
 ``moe`` (one cuBLAS pair per expert, eager: it reads the choices on the host). ``--sweep`` tries
@@ -84,7 +85,7 @@ def main() -> None:
     peak = next((v for k, v in HBM_BYTES_PER_S.items() if k in name), None)
     print(f"{name}  torch {torch.__version__}  HBM peak {peak / 1e12 if peak else '?'} TB/s")
     router = torch.randn(E, H, device="cuda") * H**-0.5
-    print("| experts | rows | experts hit | bytes read MB | moe µs | align µs | HBM % (op) | HBM % (GEMMs) "
+    print("| experts | rows | experts hit | bytes read MB | moe µs | route+align µs | HBM % (op) | HBM % (GEMMs) "
           "| reference µs |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label in args.methods:
@@ -98,15 +99,17 @@ def main() -> None:
             hit = int(torch.unique(ids).numel())
             nbytes = hit * per_expert
             t_op = timed(lambda: fused.moe(x, router, *packed, TOP_K), iters=10)
-            local = ids.clone()
-            block_m = fused.block_m_for(n * TOP_K, E)
-            t_align = timed(lambda: fused.align(local, E, block_m), iters=10)
+            block_m = fused._block_m(x, *packed, n * TOP_K)
+            if n * TOP_K <= fused.FUSED_ALIGN_PAIRS:  # as the op does: two Triton programs
+                t_align = timed(lambda: fused.route_and_align(x.float() @ router.t(), TOP_K, "softmax", True, None,
+                                                              0, E, block_m), iters=10)
+            else:  # torch's route, then align
+                t_align = timed(lambda: fused.align(reference.route(x, router, TOP_K)[0], E, block_m), iters=10)
             ref = "-"
             if not args.no_reference and n <= 1024:
                 ref = f"{wall_us(lambda: reference.moe(x, router, gate_up, down, TOP_K)):.0f}"
             frac = f"{nbytes / (t_op * 1e-6) / peak * 100:.0f}" if peak else "?"
-            routing = timed(lambda: reference.route(x, router, TOP_K), iters=10)
-            gemm = t_op - t_align - routing
+            gemm = t_op - t_align
             frac_gemm = f"{nbytes / (gemm * 1e-6) / peak * 100:.0f}" if peak else "?"
             print(f"| {label} | {n} | {hit} | {nbytes / 1e6:.0f} | {t_op:.0f} | {t_align:.0f} | {frac} | {frac_gemm} "
                   f"| {ref} |", flush=True)

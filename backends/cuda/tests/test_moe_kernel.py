@@ -138,3 +138,28 @@ def test_layouts_it_cannot_read_go_to_the_reference():
     assert _relative(fused.moe(x, router, *packed, 2), want) < QUANTIZED_TOLERANCE
     mixed = fused.pack_experts(gate_up[:3] + [torch.randn(192, 96, device="cuda")], down)
     assert isinstance(mixed[0], list)  # kept: the reference moe serves them
+
+
+@pytest.mark.parametrize("n,experts,top_k,share,scoring,bias", [
+    (1, 64, 6, None, "softmax", True), (64, 64, 6, None, "softmax", False), (170, 64, 6, (32, 32), "softmax", True),
+    (33, 16, 4, (4, 8), "sigmoid", True), (128, 128, 8, None, "sigmoid", False)])
+def test_fused_routing_and_alignment_equal_the_torch_forms(n, experts, top_k, share, scoring, bias):
+    """``route_and_align`` (two Triton programs, decode sizes) gives ``route`` + ``align``'s
+    choices, weights, sorted pairs and block experts exactly (weights to float32 rounding)."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(n, 256, generator=g, device="cuda")
+    router = torch.randn(experts, 256, generator=g, device="cuda") * 0.1
+    correction = torch.rand(experts, generator=g, device="cuda") * 0.05 if bias else None
+    first, count = share or (0, experts)
+    renormalize = scoring == "softmax"
+    ids, weights = reference.route(x, router, top_k, scoring, renormalize, correction)
+    local = ids - first
+    local = torch.where((local >= 0) & (local < count), local, count)
+    for block_m in (16, 32):
+        want_pairs, want_blocks = fused.align(local, count, block_m)
+        got_ids, got_weights, pairs, blocks = fused.route_and_align(x @ router.t(), top_k, scoring, renormalize,
+                                                                    correction, first, count, block_m)
+        assert torch.equal(got_ids.long(), local)
+        torch.testing.assert_close(got_weights, weights, rtol=1e-5, atol=1e-6)
+        assert torch.equal(pairs.long(), want_pairs.long())
+        assert torch.equal(blocks.long(), want_blocks.long())

@@ -5,12 +5,14 @@ have tokens, for plain (float32, float16, bfloat16) and wint8 / wint4 / block_wi
 ``[E, H, I]`` (quantized: each expert in ``pack_linear``'s layout, the ``qweight``, scales and
 zeros stacked along a new first axis). ``moe`` then runs
 
-1. the router (``fd_core.runtimes.torch.ops.route``: float32 scores, top-k with the lower id on
-   ties, renormalisation) on the device;
-2. ``align``: the (token, k) pairs sorted by expert and each expert's run padded to a multiple
-   of ``BLOCK_M``, so that every block of ``BLOCK_M`` sorted slots belongs to one expert;
-   built with device ops only (no count is read on the host), into buffers sized for the worst
-   case, so that a decode step is capturable in a CUDA graph;
+1. the router: float32 logits (cuBLAS), then scores, top-k with the lower id on ties and
+   renormalisation;
+2. the alignment: the (token, k) pairs sorted by expert and each expert's run padded to a
+   multiple of ``BLOCK_M``, so that every block of ``BLOCK_M`` sorted slots belongs to one expert,
+   into buffers sized for the worst case (no count is read on the host), so that a decode step is
+   capturable in a CUDA graph. Up to ``FUSED_ALIGN_PAIRS`` pairs both are two Triton programs
+   (``route_and_align``); above, ``fd_core.runtimes.torch.ops.route`` and ``align`` (torch ops,
+   whose launches cost little beside a prefill's GEMMs);
 3. ``_gate_up_kernel``: per (block, column tile) the gate and the up tile of the block's expert
    against its tokens' rows, SiLU(gate) * up in the epilogue, stored per sorted slot;
 4. ``_down_kernel``: per (block, column tile) the down projection of those rows, scaled by the
@@ -162,6 +164,104 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+# Up to these many (token, k) pairs and local experts, routing and alignment run as two Triton
+# programs instead of ~20 small torch kernels (45-125 us a layer on the H100, a third of the op at
+# one row); above them (prefill) the torch form's cost is small beside the GEMMs.
+FUSED_ALIGN_PAIRS = 1024
+FUSED_ALIGN_EXPERTS = 256
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, FIRST, LOCAL,
+                  TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: scores, the top_k of score + bias (lower id on ties), their weights; ids are
+    written local (``id - FIRST``; another rank's expert: ``LOCAL``)."""
+    n = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    r = tl.load(logits_ptr + n * E + e, mask=ok, other=-float("inf"))
+    if SOFTMAX:
+        z = tl.exp(r - tl.max(r, axis=0))
+        scores = z / tl.sum(z, axis=0)
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-r))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0)
+    choice = tl.where(ok, choice, -float("inf"))
+    k = tl.arange(0, BLOCK_K)
+    picked = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    weight = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.min(tl.where(choice == tl.max(choice, axis=0), e, BLOCK_E), axis=0)
+        picked = tl.where(k == j, best, picked)
+        weight = tl.where(k == j, tl.sum(tl.where(e == best, scores, 0.0), axis=0), weight)
+        choice = tl.where(e == best, -float("inf"), choice)
+    if RENORMALIZE:
+        weight = weight / tl.sum(weight, axis=0)
+    local = picked - FIRST
+    local = tl.where((local >= 0) & (local < LOCAL), local, LOCAL)
+    tl.store(ids_ptr + n * TOP_K + k, local, mask=k < TOP_K)
+    tl.store(weights_ptr + n * TOP_K + k, weight, mask=k < TOP_K)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, P, E, CAPACITY,
+                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``align`` in one program: the pairs sorted by (expert, index), each expert's run padded to
+    BLOCK_M; every slot then reads its pair from the sorted order (no scatter, so no barrier)."""
+    i = tl.arange(0, BLOCK_P)
+    expert = tl.load(ids_ptr + i, mask=i < P, other=E)  # pads and other ranks' experts: E
+    order = tl.sort(expert * BLOCK_P + i)
+    pair_of = order % BLOCK_P  # position in the sorted order -> pair index
+    counts = tl.histogram(expert, BLOCK_E)
+    bins = tl.arange(0, BLOCK_E)
+    padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    first = tl.cumsum(counts, axis=0) - counts  # each expert's first position in the sorted order
+    for s0 in range(0, CAPACITY, BLOCK_S):
+        slot = s0 + tl.arange(0, BLOCK_S)
+        # the slot's expert; past the padded total, E (as searchsorted says in ``align``)
+        owner = tl.minimum(tl.sum((ends[None, :] <= slot[:, None]).to(tl.int32), axis=1), E)
+        safe = tl.minimum(owner, BLOCK_E - 1)
+        rank = slot - tl.gather(starts, safe, 0)
+        real = (owner < E) & (rank < tl.gather(counts, safe, 0))
+        position = tl.where(real, tl.gather(first, safe, 0) + rank, 0)
+        pair = tl.where(real, tl.gather(pair_of, position, 0), P)
+        tl.store(sorted_ptr + slot, pair, mask=slot < CAPACITY)
+        head = (slot % BLOCK_M == 0) & (slot < CAPACITY)
+        tl.store(block_expert_ptr + slot // BLOCK_M, owner, mask=head)
+
+
+def route_and_align(logits: Tensor, top_k: int, scoring: str, renormalize: bool, correction_bias: Tensor | None,
+                    expert_offset: int, local_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(local_ids, weights, sorted_pairs, block_expert)`` from the router's float32 logits
+    ``[N, E]``, in two launches: what ``route`` and ``align`` compute, for up to
+    ``FUSED_ALIGN_PAIRS`` pairs."""
+    n, e = logits.shape
+    pairs = n * top_k
+    device = logits.device
+    ids = torch.empty((n, top_k), dtype=torch.int32, device=device)
+    weights = torch.empty((n, top_k), dtype=torch.float32, device=device)
+    bias = correction_bias.float().contiguous() if correction_bias is not None else logits
+    _route_kernel[(n,)](logits, bias, ids, weights, e, expert_offset, local_experts, TOP_K=top_k,
+                        SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
+                        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(e),
+                        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+    capacity = triton.cdiv(pairs + min(local_experts, pairs) * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    # three sizes of sort, not one per power of two: each is a compile, and a server meets the
+    # sizes of its mixed steps only while it serves
+    block_p = next(size for size in (64, 256, FUSED_ALIGN_PAIRS) if pairs <= size)
+    _align_kernel[(1,)](ids, sorted_pairs, block_expert, pairs, local_experts, capacity, BLOCK_M=block_m,
+                        BLOCK_P=block_p, BLOCK_E=triton.next_power_of_2(local_experts + 1),
+                        BLOCK_S=128, num_warps=8)
+    return ids, weights, sorted_pairs, block_expert
+
+
 def align(local_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
     """``(sorted_pairs, block_expert)`` for the pairs' local expert ids ``[N, top_k]`` (an id of
     ``num_experts`` or more: another rank's expert, dropped).
@@ -228,29 +328,45 @@ def _config(block_m: int, dtype: torch.dtype) -> Config:
     return (64, 128, 4, 3) if block_m <= 32 else (128, 64, 8, 3)
 
 
+def _experts_of(gate_up: Tensor | QuantizedWeight) -> int:
+    return gate_up.qweight.shape[0] if isinstance(gate_up, QuantizedWeight) else gate_up.shape[0]
+
+
+def _block_m(x: Tensor, gate_up: Tensor | QuantizedWeight, down: Tensor | QuantizedWeight, pairs: int) -> int:
+    block_m = block_m_for(pairs, _experts_of(gate_up))
+    if x.dtype == torch.float32 or PACKED_INT4 in (_kind(gate_up), _kind(down)):
+        # float32 tiles take twice the bytes, int4's K step is its whole 256-column chunk:
+        # 64-row blocks overflow the shared memory (measured on the H100)
+        block_m = min(block_m, 32)
+    return block_m
+
+
 def fused_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor | QuantizedWeight,
                   down: Tensor | QuantizedWeight, expert_offset: int = 0, total_experts: int | None = None,
                   config: Config | None = None) -> Tensor:
     """``sum_k weights[n, k] * down[e] @ silu_and_mul(gate_up[e] @ x[n])`` with ``e`` the local
     expert ``ids[n, k] - expert_offset``; pairs whose expert is not local add nothing.
     ``config`` overrides the tiles (benchmarks)."""
-    n, hidden = x.shape
-    top_k = ids.shape[1]
-    num_experts = gate_up.qweight.shape[0] if isinstance(gate_up, QuantizedWeight) else gate_up.shape[0]
-    inter = down.shape[1] if isinstance(down, QuantizedWeight) else down.shape[2]
-    if n == 0:
-        return x.new_zeros((0, hidden))
-    kinds = _kind(gate_up), _kind(down)
-    xd = x if x.stride(-1) == 1 else x.contiguous()
+    num_experts = _experts_of(gate_up)
     local = ids - expert_offset
     local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    pairs = n * top_k
-    block_m = block_m_for(pairs, num_experts)
-    if x.dtype == torch.float32 or PACKED_INT4 in kinds:
-        # float32 tiles take twice the bytes, int4's K step is its whole 256-column chunk:
-        # 64-row blocks overflow the shared memory (measured on the H100)
-        block_m = min(block_m, 32)
+    block_m = _block_m(x, gate_up, down, ids.numel())
     sorted_pairs, block_expert = align(local, num_experts, block_m)
+    partial = total_experts is not None and total_experts > num_experts
+    return _grouped(x, ids.shape[1], weights, sorted_pairs, block_expert, block_m, gate_up, down, partial, config)
+
+
+def _grouped(x: Tensor, top_k: int, weights: Tensor, sorted_pairs: Tensor, block_expert: Tensor, block_m: int,
+             gate_up: Tensor | QuantizedWeight, down: Tensor | QuantizedWeight, partial: bool,
+             config: Config | None = None) -> Tensor:
+    """The two grouped GEMMs and the top-k sum over aligned pairs; ``partial``: some pairs' experts
+    are another rank's (their rows stay zero)."""
+    n, hidden = x.shape
+    pairs = n * top_k
+    num_experts = _experts_of(gate_up)
+    inter = down.shape[1] if isinstance(down, QuantizedWeight) else down.shape[2]
+    kinds = _kind(gate_up), _kind(down)
+    xd = x if x.stride(-1) == 1 else x.contiguous()
     blocks = block_expert.numel()
     block_n, k_cap, warps, stages = config or _config(block_m, x.dtype)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
@@ -263,8 +379,6 @@ def fused_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor | Qua
         xd.stride(0), w.stride(0), w.stride(1), se, sn, act.stride(0),
         KIND=kinds[0], HAS_ZEROS=zeros, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=_step_k(gate_up, hidden, k_cap), num_warps=warps, num_stages=stages, **magic)
-    # every pair's row is written unless some experts are another rank's
-    partial = total_experts is not None and total_experts > num_experts
     # float32: a token's top_k rows may nearly cancel, and rounding each to 16 bits first
     # would cost the sum its low bits (the kit's float16 case caught it)
     y = (torch.zeros if partial else torch.empty)((pairs, hidden), dtype=torch.float32, device=x.device)
@@ -284,5 +398,17 @@ def moe(x: Tensor, router_weight: Tensor, gate_up, down, top_k: int, scoring: st
     if isinstance(gate_up, list) or isinstance(down, list):  # pack_experts kept them: the reference
         return reference.moe(x, router_weight, gate_up, down, top_k, scoring, renormalize, correction_bias,
                              expert_offset)
-    ids, weights = reference.route(x, router_weight, top_k, scoring, renormalize, correction_bias)
-    return fused_experts(x, ids, weights, gate_up, down, expert_offset, router_weight.shape[0])
+    n, total = x.shape[0], router_weight.shape[0]
+    if n == 0:
+        return x.new_zeros((0, x.shape[1]))
+    local = _experts_of(gate_up)
+    if n * top_k > FUSED_ALIGN_PAIRS or local >= FUSED_ALIGN_EXPERTS or total > FUSED_ALIGN_EXPERTS:
+        ids, weights = reference.route(x, router_weight, top_k, scoring, renormalize, correction_bias)
+        return fused_experts(x, ids, weights, gate_up, down, expert_offset, total)
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown moe scoring {scoring!r}")
+    logits = torch.matmul(x.float(), router_weight.float().t())
+    block_m = _block_m(x, gate_up, down, n * top_k)
+    _, weights, sorted_pairs, block_expert = route_and_align(logits, top_k, scoring, renormalize, correction_bias,
+                                                             expert_offset, local, block_m)
+    return _grouped(x, top_k, weights, sorted_pairs, block_expert, block_m, gate_up, down, total > local)
