@@ -442,6 +442,26 @@ ERNIE_45_21B_A3B = dict(
 )
 
 
+# ERNIE-4.5-300B-A47B: three dense layers, then 51 sparse ones of 64 experts (width 3584, top-8,
+# no shared expert).
+ERNIE_45_300B_A47B = dict(
+    hidden_size=8192, intermediate_size=28672, num_hidden_layers=54, num_attention_heads=64, num_key_value_heads=8,
+    vocab_size=103424, max_position_embeddings=131072, moe_num_experts=64, moe_k=8, moe_intermediate_size=3584,
+    moe_num_shared_experts=0, moe_layer_start_index=3, moe_layer_end_index=53, moe_layer_interval=1,
+    tie_word_embeddings=True,
+)
+
+
+def make_config_only(tmp: Path, config_cls, name: str, **settings) -> Path:
+    """A model folder with ``config.json`` and a tokenizer but no weights: what
+    ``--load-format dummy`` reads, for shapes too large to write."""
+    folder = Path(tmp) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    config_cls(**settings).save_pretrained(folder)
+    _sentencepiece_tokenizer(folder, chat_template=ERNIE_TEMPLATE)
+    return folder
+
+
 def make_large_random(tmp: Path, config_cls, model_cls, name: str, **settings) -> Path:
     """A random bfloat16 checkpoint of a shape too large for transformers to initialise in a
     test: the tensor names and shapes come from the model built on the meta device and mapped

@@ -163,3 +163,27 @@ def test_an_ernie_45_21b_a3b_shaped_checkpoint_loads_and_generates(tmp_path):
     assert len(experts.gate_up) == 64 and tuple(experts.gate_up[0].shape) == (3072, 2560)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_ernie_45_300b_a47b_shaped_config_gives_its_moe_layers(tmp_path):
+    """ERNIE-4.5-300B-A47B's config at four layers (three dense, one sparse): the sparse layer,
+    top-8 of 64 experts of width 3584, no shared expert, and the expert shapes the loader expects.
+    (Loading it takes ~9 GB even at four layers: ``backends/cuda/tests/test_moe_gpu.py`` loads it
+    on a GPU with ``--load-format dummy --quantization wint4``.)"""
+    from transformers import Ernie4_5_MoeConfig
+
+    from fd_core.loader.dummy import load_dummy
+    from fd_core.models import moe_spec, weight_shapes
+
+    shape = dict(checkpoints.ERNIE_45_300B_A47B, num_hidden_layers=4, moe_layer_end_index=3, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+    folder = checkpoints.make_config_only(tmp_path, Ernie4_5_MoeConfig, "ernie45_300b", **shape)
+    config = load_dummy(folder).config
+    spec = moe_spec(config)
+    assert spec.sparse_layers == {3} and spec.top_k == 8 and spec.num_experts == 64
+    assert spec.shared_intermediate_size == 0
+    shapes = weight_shapes(config)
+    assert shapes["model.layers.3.mlp.experts.63.gate_proj.weight"] == (3584, 8192)
+    assert shapes["model.layers.3.mlp.experts.0.down_proj.weight"] == (8192, 3584)
+    assert "model.layers.2.mlp.gate_proj.weight" in shapes and "model.layers.3.mlp.gate.weight" in shapes
+    assert not any("shared_experts" in name for name in shapes)

@@ -42,11 +42,10 @@ def model_folder(folder: Path) -> Path:
 
     from tests import checkpoints
 
-    config = Ernie4_5_MoeConfig(**ERNIE_45_21B_A3B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config.save_pretrained(folder)
-    checkpoints._sentencepiece_tokenizer(folder, chat_template=checkpoints.ERNIE_TEMPLATE)
-    whole_vocabulary_tokenizer(folder, ERNIE_45_21B_A3B["vocab_size"])
-    return folder
+    path = checkpoints.make_config_only(folder, Ernie4_5_MoeConfig, "ernie45_21b", **ERNIE_45_21B_A3B,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    whole_vocabulary_tokenizer(path, ERNIE_45_21B_A3B["vocab_size"])
+    return path
 
 
 def _free_port() -> int:

@@ -197,3 +197,21 @@ def test_ernie_21b_shape_bfloat16_logits_within_tolerance(ernie_21b, variant):
           f"logit std {float(exact[0].std()):.3f}")
     assert err_fd <= BF16_RATIO * err_hf
     assert int(fd_flip[clear].sum()) == 0
+
+
+def test_ernie_300b_shape_loads_in_wint4_and_generates(tmp_path):
+    """ERNIE-4.5-300B-A47B's shape at four layers (three dense, one sparse of 64 experts of width
+    3584, top-8), random weights drawn at load (``--load-format dummy``) straight in wint4: the
+    experts are stacked for the fused kernel and the model generates, graphs on."""
+    from transformers import Ernie4_5_MoeConfig
+
+    shape = dict(checkpoints.ERNIE_45_300B_A47B, num_hidden_layers=4, moe_layer_end_index=3, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+    folder = checkpoints.make_config_only(tmp_path, Ernie4_5_MoeConfig, "ernie45_300b", **shape)
+    with _loaded(folder, load_format="dummy", quantization="wint4", dtype="bfloat16", max_model_len=256,
+                 gpu_memory_utilization=0.5) as llm:
+        experts = llm.engine.core.executor.runner.model.layers[3].experts
+        assert experts.gate_up.qweight.shape[0] == 64 and experts.gate_up.layout == "cuda_w4"
+        outs = llm.generate([[5, 6, 7, 8], list(range(3, 90))],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
