@@ -149,6 +149,29 @@ def test_a_declining_predicate_may_say_why():
     assert reg.select("chip", "paddle", {"dtype": "float32"}).choices["rms_norm"].impl.name == "told"
 
 
+def test_pack_experts_goes_with_the_moe_of_its_name():
+    """The chosen moe gets what the pack_experts registered under its name makes; a moe of
+    another name (a pin to the reference, a declining kernel) gets the lists."""
+    reg = OpRegistry()
+    reference_moe = lambda *a, **k: "reference"  # noqa: E731
+    reg.register_reference("torch", {"moe": reference_moe})
+    bf16_only = lambda dtype=None, **_: dtype == "bfloat16"  # noqa: E731
+    reg.register("moe", "chip", lambda *a, **k: "fused", name="fused-moe", priority=5, supports=bf16_only)
+    reg.register("pack_experts", "chip", lambda g, d: ("stacked", len(g) + len(d)), name="fused-moe",
+                 priority=5, supports=bf16_only)
+    reg.register("pack_experts", "chip", lambda g, d: ("wrong", 0), name="another", priority=9)
+    lists = ([1, 2], [3, 4])
+
+    table = reg.select("chip", "torch", {"dtype": "bfloat16"})
+    assert table.choices["moe"].impl.name == "fused-moe"
+    assert table.pack_experts(*lists) == ("stacked", 4)
+    assert "paired with moe (fused-moe)" in table.choices["pack_experts"].reason
+    for declined in (reg.select("chip", "torch", {"dtype": "float32"}),
+                     reg.select("chip", "torch", {"dtype": "bfloat16"}, pins={"moe": "reference"})):
+        assert declined.moe is reference_moe
+        assert declined.pack_experts(*lists) == lists  # nothing paired: the lists as they are
+
+
 def test_fd_backends_cli_reports_everything(site):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     env.pop("FD_BACKENDS", None)

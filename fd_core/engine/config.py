@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
 from fd_core.quantization.kv_cache import KV_QUANTIZED
-
-LOAD_FORMATS = ("auto", "dummy")
 from fd_core.quantization.quantize import check_group_size, method_name
+
+# auto: the checkpoint's weights; dummy: random ones from its config (loader/dummy.py)
+LOAD_FORMATS = ("auto", "dummy")
 
 GiB = 1 << 30
 # --kv-cache-dtype: "auto" keeps the cache in the model's dtype; the quantized ones are served

@@ -8,6 +8,7 @@ import sys
 from typing import Any, Sequence
 
 from fd_core import __version__
+from fd_core.engine.config import LOAD_FORMATS
 from fd_core.interfaces import API_VERSION
 
 
@@ -164,7 +165,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="deal a mixture of experts' experts out whole over the --tensor-parallel-size ranks "
                         "instead of slicing each one (attention stays tensor-parallel)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="auto: the checkpoint's weights; dummy: random weights drawn from the folder's "
                         "config.json, no weight file read (speed and memory runs; the tokenizer still loads)")
     p.add_argument("--quantization", default=None,

@@ -21,13 +21,7 @@ import numpy as np
 from fd_core.errors import ModelNotFoundError
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 from fd_core.loader.checkpoint import Checkpoint
-from fd_core.loader.hf_loader import (
-    architecture_of,
-    load_tokenizer,
-    model_config,
-    read_json,
-    read_optional_json,
-)
+from fd_core.loader.hf_loader import SafetensorsFolder
 from fd_core.models import weight_shapes
 from fd_core.quantization.host import HostWeight
 
@@ -72,16 +66,9 @@ def load_dummy(folder: Path, quantization: tuple[str, int] | None = None, seed: 
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(
             f"--load-format dummy needs a model folder with a config.json (and a tokenizer); {folder} has none")
-    config_json = read_json(folder / "config.json")
-    generation = read_optional_json(folder / "generation_config.json")
-    architecture = architecture_of(config_json, folder)
-    tokenizer = load_tokenizer(folder, config_json, generation)
-    stored = str(config_json.get("torch_dtype") or config_json.get("dtype") or "bfloat16")
-    if stored not in ("float32", "float16", "bfloat16"):
-        stored = "bfloat16"
-    config = model_config(config_json, folder, architecture=architecture, dtype=stored,
-                          eos_token_ids=tokenizer.eos_token_ids,
-                          bos_token_id=generation.get("bos_token_id", tokenizer.bos_token_id))
+    src = SafetensorsFolder.open(folder, tensors=False)
+    stored = str(src.config_json.get("torch_dtype") or src.config_json.get("dtype") or "bfloat16")
+    config = src.model_config(dtype=stored if stored in ("float32", "float16", "bfloat16") else "bfloat16")
     pool = _Pool(seed)
 
     def reader(name: str, shape: tuple[int, ...]) -> Callable[[], HostWeight]:
@@ -94,4 +81,4 @@ def load_dummy(folder: Path, quantization: tuple[str, int] | None = None, seed: 
         return lambda: pool.take(pool.normal, shape)
 
     readers = {name: reader(name, shape) for name, shape in weight_shapes(config).items()}
-    return Checkpoint(path=folder, format="dummy", config=config, tokenizer=tokenizer, readers=readers)
+    return Checkpoint(path=folder, format="dummy", config=config, tokenizer=src.tokenizer, readers=readers)

@@ -304,23 +304,28 @@ class SafetensorsFolder:
     config_json: dict[str, Any]
     generation: dict[str, Any]
     architecture: str
-    tensors: SafetensorsSet
+    tensors: SafetensorsSet | None  # None: opened for its config and tokenizer alone
     tokenizer: TextTokenizer
 
     @classmethod
-    def open(cls, folder: Path) -> "SafetensorsFolder":
+    def open(cls, folder: Path, tensors: bool = True) -> "SafetensorsFolder":
         folder = Path(folder)
         config_json = read_json(folder / "config.json")
         generation = read_optional_json(folder / "generation_config.json")
         return cls(folder, config_json, generation, architecture_of(config_json, folder),
-                   SafetensorsSet(folder), load_tokenizer(folder, config_json, generation))
+                   SafetensorsSet(folder) if tensors else None, load_tokenizer(folder, config_json, generation))
 
-    def model_config(self, config_json: Mapping[str, Any] | None = None, **kwargs: Any) -> ModelConfig:
+    def model_config(self, config_json: Mapping[str, Any] | None = None, dtype: str | None = None,
+                     **kwargs: Any) -> ModelConfig:
+        """``dtype``: what the weights are stored in (default: the tensors' own)."""
+        if dtype is None:
+            assert self.tensors is not None, "a folder opened without its tensors needs the dtype"
+            dtype = self.tensors.stored_dtype()
         return model_config(
             self.config_json if config_json is None else config_json,
             self.folder,
             architecture=self.architecture,
-            dtype=self.tensors.stored_dtype(),
+            dtype=dtype,
             eos_token_ids=self.tokenizer.eos_token_ids,
             bos_token_id=self.generation.get("bos_token_id", self.tokenizer.bos_token_id),
             **kwargs,

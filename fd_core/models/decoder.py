@@ -22,7 +22,12 @@ from fd_core.models.config import ModelConfig
 from fd_core.models.moe import MoeSpec, moe_spec
 from fd_core.models.parallel import TensorParallel
 from fd_core.models.rope import cos_sin_table
-from fd_core.quantization.host import HostWeight, as_float, concat_rows
+from fd_core.quantization.host import (
+    HostWeight,
+    as_float,
+    concat_rows,
+    upload_quantized,
+)
 
 log = logging.getLogger("fd.model")
 
@@ -293,11 +298,7 @@ class DecoderForCausalLM:
                 self._dequantized[array.method] += 1
                 array = as_float(array)
             else:
-                put = self.memory.from_numpy
-                weight = QuantizedWeight(
-                    array.method, put(np.ascontiguousarray(array.qweight)), put(array.scales, "float32"),
-                    array.group_size, tuple(array.shape),
-                    None if array.zeros is None else put(array.zeros, "float32"))
+                weight = upload_quantized(array, self.memory)
                 return self.ops.pack_linear(weight) if pack else weight
         # norms stay in float32 whatever the compute dtype: they are tiny and precision-critical
         return self.memory.from_numpy(np.ascontiguousarray(array), "float32" if norm else self.dtype)

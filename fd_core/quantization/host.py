@@ -5,6 +5,7 @@ before they go to a device: dequantize, fuse (q/k/v, gate/up) and cut for tensor
 from __future__ import annotations
 
 from math import gcd
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,16 @@ def fp8_e4m3fn_values() -> np.ndarray:
 def group_of(weight: QuantizedWeight) -> int:
     """The number of input columns one scale covers."""
     return int(weight.qweight.shape[1]) if weight.group_size == -1 else weight.group_size
+
+
+def upload_quantized(weight: QuantizedWeight, memory: Any) -> QuantizedWeight:
+    """A host ``weight`` in the canonical form on ``memory``'s device (a ``Memory``): the
+    integers as they are, scales and zeros in float32."""
+    put = memory.from_numpy
+    return QuantizedWeight(weight.method, put(np.ascontiguousarray(weight.qweight)),
+                           put(np.ascontiguousarray(weight.scales), "float32"), weight.group_size,
+                           tuple(weight.shape),
+                           None if weight.zeros is None else put(np.ascontiguousarray(weight.zeros), "float32"))
 
 
 def dequantize(weight: QuantizedWeight) -> np.ndarray:

@@ -20,10 +20,10 @@ from fd_core.interfaces import (
     AttentionMetadata,
     Capabilities,
     Memory,
-    QuantizedWeight,
     SampleOutput,
 )
 from fd_core.plugins.ops import op_context
+from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.kv_cache import KV_QUANTIZED, quantized_cache
 from fd_core.quantization.quantize import quantize
 from fd_core.testing import spec
@@ -151,11 +151,6 @@ def _rotary(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     compare(case, impl, "k", dev.get(out[1]), want_k)
 
 
-def _quantized_on(dev: Device, qw: QuantizedWeight) -> QuantizedWeight:
-    return QuantizedWeight(qw.method, dev.put(qw.qweight)[0], dev.put(qw.scales, "float32")[0],
-                           qw.group_size, qw.shape, None if qw.zeros is None else dev.put(qw.zeros, "float32")[0])
-
-
 def _linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     p = case.params
     rng = _rng(case)
@@ -164,7 +159,7 @@ def _linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     bias, bh = dev.put(_randn(rng, p["out"])) if p["bias"] else (None, None)
     if case.quantization:
         qw = quantize(w, case.quantization, p["group_size"], p.get("zeros", False))
-        got = dev.get(fn(x, _quantized_on(dev, qw), bias))
+        got = dev.get(fn(x, upload_quantized(qw, dev.memory), bias))
         try:
             compare(case, impl, "output", got, spec.linear(xh, qw, bh))
         except OpMismatch:
@@ -245,7 +240,7 @@ def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     if method:
         group = {"wint8": -1, "wint4": 16}.get(method, 128)
         gate_up, down = ([quantize(w, method, group) for w in ws] for ws in (gate_up, down))
-        gate_up, down = ([(_quantized_on(dev, q), q) for q in ws] for ws in (gate_up, down))
+        gate_up, down = ([(upload_quantized(q, dev.memory), q) for q in ws] for ws in (gate_up, down))
     else:
         gate_up, down = ([dev.put(w) for w in ws] for ws in (gate_up, down))
     bias, bh = dev.put(_randn(rng, e, scale=0.5), "float32") if p["bias"] else (None, None)

@@ -26,13 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from fd_core.interfaces import QuantizedWeight
+from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.quantize import quantize
 from fd_core.runtimes.torch import ops as reference
+from fd_core.runtimes.torch.memory import TorchMemory
 
 from fd_backend_cuda.kernels import moe as fused
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_quantized_linear import timed  # the CUDA-graph timer
+from bench_quantized_linear import nbytes, timed  # the CUDA-graph timer, a weight's bytes
 from e2e import HBM_BYTES_PER_S
 
 E, H, I, TOP_K = 64, 2560, 1536, 6
@@ -48,20 +50,9 @@ def experts(method: str | None) -> tuple[list, list]:
 
     def q(w: torch.Tensor) -> QuantizedWeight:
         qw = quantize(w.float().cpu().numpy(), method, GROUPS[method], zeros=method == "wint4")
-
-        def put(a):
-            return None if a is None else torch.from_numpy(a.copy()).cuda()
-
-        return QuantizedWeight(qw.method, put(qw.qweight), put(qw.scales).float(), qw.group_size, qw.shape,
-                               None if qw.zeros is None else put(qw.zeros).float())
+        return upload_quantized(qw, TorchMemory("cuda"))
 
     return [q(w) for w in gate_up], [q(w) for w in down]
-
-
-def expert_bytes(w) -> int:
-    if isinstance(w, QuantizedWeight):
-        return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
-    return w.numel() * w.element_size()
 
 
 def wall_us(fn, iters: int = 10) -> float:
@@ -91,13 +82,13 @@ def main() -> None:
     for label in args.methods:
         method = None if label == "bf16" else label
         gate_up, down = experts(method)
-        per_expert = expert_bytes(gate_up[0]) + expert_bytes(down[0])
+        per_expert = nbytes(gate_up[0]) + nbytes(down[0])
         packed = fused.pack_experts(gate_up, down)
         for n in args.rows:
             x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
             ids, _ = reference.route(x, router, TOP_K)
             hit = int(torch.unique(ids).numel())
-            nbytes = hit * per_expert
+            read = hit * per_expert
             t_op = timed(lambda: fused.moe(x, router, *packed, TOP_K), iters=10)
             block_m = fused._block_m(x, *packed, n * TOP_K)
             if n * TOP_K <= fused.FUSED_ALIGN_PAIRS:  # as the op does: two Triton programs
@@ -108,10 +99,10 @@ def main() -> None:
             ref = "-"
             if not args.no_reference and n <= 1024:
                 ref = f"{wall_us(lambda: reference.moe(x, router, gate_up, down, TOP_K)):.0f}"
-            frac = f"{nbytes / (t_op * 1e-6) / peak * 100:.0f}" if peak else "?"
+            frac = f"{read / (t_op * 1e-6) / peak * 100:.0f}" if peak else "?"
             gemm = t_op - t_align
-            frac_gemm = f"{nbytes / (gemm * 1e-6) / peak * 100:.0f}" if peak else "?"
-            print(f"| {label} | {n} | {hit} | {nbytes / 1e6:.0f} | {t_op:.0f} | {t_align:.0f} | {frac} | {frac_gemm} "
+            frac_gemm = f"{read / (gemm * 1e-6) / peak * 100:.0f}" if peak else "?"
+            print(f"| {label} | {n} | {hit} | {read / 1e6:.0f} | {t_op:.0f} | {t_align:.0f} | {frac} | {frac_gemm} "
                   f"| {ref} |", flush=True)
         if args.sweep:
             n = 64

@@ -54,7 +54,9 @@ def timed(fn, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def nbytes(w: QuantizedWeight) -> int:
+def nbytes(w: QuantizedWeight | torch.Tensor) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
     return sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros) if t is not None)
 
 

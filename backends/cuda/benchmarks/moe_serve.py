@@ -18,18 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
 from tests.checkpoints import ERNIE_45_21B_A3B
 
 PROMPT, OUTPUT, TPOT_LIMIT_MS = 1100, 128, 25.0
@@ -48,31 +48,20 @@ def model_folder(folder: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_fd(args, folder: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(folder), "--load-format",
            "dummy", "--device", "cuda", "--dtype", "bfloat16", "--max-num-seqs", str(max(args.concurrency)),
            "--max-model-len", str(PROMPT + OUTPUT + 64), "--port", str(port)]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
-    start = time.perf_counter()
-    server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
+    log = folder / "server.log"
+    began = time.perf_counter()
+    server = start(cmd, str(log))
     try:
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"fd serve exited with {server.returncode}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(2)
-        print(f"server ready in {time.perf_counter() - start:.0f} s ({args.quantization or 'bfloat16'})", flush=True)
+        if not wait_ready(server, port, limit=600):
+            raise SystemExit(f"fd serve did not come up; its log ends:\n{log.read_text()[-3000:]}")
+        print(f"server ready in {time.perf_counter() - began:.0f} s ({args.quantization or 'bfloat16'})", flush=True)
         rows = []
         for c in args.concurrency:
             out = Path(tempfile.mkstemp(suffix=".json")[1])
@@ -97,8 +86,7 @@ def run_fd(args, folder: Path) -> None:
         else:
             print(f"no concurrency kept TPOT p50 <= {TPOT_LIMIT_MS} ms")
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop(server)
 
 
 def _ms(r: dict, metric: str, pct: str) -> float:

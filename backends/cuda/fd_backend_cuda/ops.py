@@ -70,6 +70,10 @@ SUPPORTED: dict[str, dict] = {
         "max_head_dim": MAX_HEAD_DIM,
         "note": "head_dim <= 256 (power of two: no padding); any block_size; Hq % Hk == 0",
     },
+    "moe": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "plain, wint8, wint4, block_wise_fp8 experts stacked by pack_experts; lists: the reference",
+    },
     "sample": {
         "dtypes": FLOAT_DTYPES,
         "note": "any V; top-k/top-p by threshold search (no sort); math in float32",

@@ -42,11 +42,9 @@ def fd_register_ops(registry):
     for op, fn in (("linear", ops.quantized_linear), ("pack_linear", ops.pack_linear)):
         registry.register(op, "cuda", fn, name="triton-quantized", priority=10, supports=quantized,
                           runtime="torch")
-    def experts(dtype=None, quantization=None, **_):
-        import torch
 
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return (dtype is None or dtype in ops.FLOAT_DTYPES) and quantization in (None, *ops.QUANTIZED_METHODS)
+    def experts(quantization=None, **context):
+        return supports_for("moe")(**context) and quantization in (None, *ops.QUANTIZED_METHODS)
 
     experts.why = lambda **_: "it serves float32/float16/bfloat16 models with plain, wint8, wint4 or block_wise_fp8 experts"
     # the fused MoE (kernels/moe.py) reads the experts its own pack_experts stacked at load

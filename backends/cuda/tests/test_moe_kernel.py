@@ -15,8 +15,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from fd_core.interfaces import QuantizedWeight
+from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.quantize import quantize
 from fd_core.runtimes.torch import ops as reference
+from fd_core.runtimes.torch.memory import TorchMemory
 
 from fd_backend_cuda.kernels import moe as fused
 
@@ -26,13 +28,7 @@ QUANTIZED_TOLERANCE = 2.5e-2  # 16-bit activations; float32 ones are exact
 
 
 def _quantized(w: torch.Tensor, method: str, group: int) -> QuantizedWeight:
-    q = quantize(w.float().cpu().numpy(), method, group)
-
-    def put(a):
-        return None if a is None else torch.from_numpy(a.copy()).cuda()
-
-    return QuantizedWeight(q.method, put(q.qweight), put(q.scales).float(), q.group_size, q.shape,
-                           None if q.zeros is None else put(q.zeros).float())
+    return upload_quantized(quantize(w.float().cpu().numpy(), method, group), TorchMemory("cuda"))
 
 
 def _experts(e: int, hidden: int, inter: int, dtype, method: str | None, seed: int = 0):

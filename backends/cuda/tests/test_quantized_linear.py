@@ -17,7 +17,9 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
 
 from fd_core.interfaces import QuantizedWeight  # noqa: E402
+from fd_core.quantization.host import upload_quantized  # noqa: E402
 from fd_core.quantization.quantize import quantize  # noqa: E402
+from fd_core.runtimes.torch.memory import TorchMemory  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 
 from fd_backend_cuda.kernels.quantized_linear import linear, pack_linear  # noqa: E402
@@ -35,9 +37,7 @@ CASES = [  # method, group, zeros, layout
 
 
 def _on_gpu(qw: QuantizedWeight) -> QuantizedWeight:
-    put = lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()  # noqa: E731
-    return QuantizedWeight(qw.method, put(qw.qweight), put(qw.scales), qw.group_size, qw.shape,
-                           None if qw.zeros is None else put(qw.zeros))
+    return upload_quantized(qw, TorchMemory("cuda"))
 
 
 @pytest.mark.parametrize("method, group, zeros, layout", CASES)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
+from fd_core.runtimes.torch import ops as reference
 
 from fd_backend_cuda.kernels.quantized_linear import (
     _CODES,
@@ -38,6 +39,7 @@ from fd_backend_cuda.kernels.quantized_linear import (
     _step,
     pack_linear,
     weight_dot,
+    weight_dot_constants,
 )
 
 Tensor = torch.Tensor
@@ -164,6 +166,13 @@ def block_m_for(pairs: int, experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def _capacity(pairs: int, experts: int, block_m: int) -> int:
+    """Sorted slots for ``pairs`` over ``experts``, each expert's run padded to ``block_m``, in
+    the worst case (at most ``min(experts, pairs)`` runs, each padded by up to ``block_m - 1``):
+    a size that depends on the shapes alone, as a captured graph needs."""
+    return triton.cdiv(pairs + min(experts, pairs) * (block_m - 1), block_m) * block_m
+
+
 # Up to these many (token, k) pairs and local experts, routing and alignment run as two Triton
 # programs instead of ~20 small torch kernels (45-125 us a layer on the H100, a third of the op at
 # one row); above them (prefill) the torch form's cost is small beside the GEMMs.
@@ -250,7 +259,7 @@ def route_and_align(logits: Tensor, top_k: int, scoring: str, renormalize: bool,
                         SOFTMAX=scoring == "softmax", HAS_BIAS=correction_bias is not None,
                         RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(e),
                         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
-    capacity = triton.cdiv(pairs + min(local_experts, pairs) * (block_m - 1), block_m) * block_m
+    capacity = _capacity(pairs, local_experts, block_m)
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
     # three sizes of sort, not one per power of two: each is a compile, and a server meets the
@@ -273,8 +282,7 @@ def align(local_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     flat = local_ids.reshape(-1).clamp(max=num_experts)
     count = flat.numel()
     device = flat.device
-    capacity = count + min(num_experts, count) * (block_m - 1)
-    capacity = triton.cdiv(capacity, block_m) * block_m
+    capacity = _capacity(count, num_experts, block_m)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
@@ -369,16 +377,14 @@ def _grouped(x: Tensor, top_k: int, weights: Tensor, sorted_pairs: Tensor, block
     xd = x if x.stride(-1) == 1 else x.contiguous()
     blocks = block_expert.numel()
     block_n, k_cap, warps, stages = config or _config(block_m, x.dtype)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-    bf16 = x.dtype == torch.bfloat16
-    magic = {"MAGIC_BITS": 0x4300 if bf16 else 0x6400, "MAGIC_OFFSET": 136.0 if bf16 else 1032.0}
+    constants = weight_dot_constants(x.dtype)
     act = torch.empty((blocks * block_m, inter), dtype=x.dtype, device=x.device)
     w, s, z, se, sn, group, zeros = _operands(gate_up)
     _gate_up_kernel[(triton.cdiv(inter, block_n), blocks)](
         xd, w, s, z, act, sorted_pairs, block_expert, pairs, top_k, num_experts, inter, hidden, group,
         xd.stride(0), w.stride(0), w.stride(1), se, sn, act.stride(0),
-        KIND=kinds[0], HAS_ZEROS=zeros, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=_step_k(gate_up, hidden, k_cap), num_warps=warps, num_stages=stages, **magic)
+        KIND=kinds[0], HAS_ZEROS=zeros, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=_step_k(gate_up, hidden, k_cap), num_warps=warps, num_stages=stages, **constants)
     # float32: a token's top_k rows may nearly cancel, and rounding each to 16 bits first
     # would cost the sum its low bits (the kit's float16 case caught it)
     y = (torch.zeros if partial else torch.empty)((pairs, hidden), dtype=torch.float32, device=x.device)
@@ -386,15 +392,13 @@ def _grouped(x: Tensor, top_k: int, weights: Tensor, sorted_pairs: Tensor, block
     _down_kernel[(triton.cdiv(hidden, block_n), blocks)](
         act, w, s, z, y, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(), pairs,
         num_experts, hidden, inter, group, act.stride(0), w.stride(0), w.stride(1), se, sn, y.stride(0),
-        KIND=kinds[1], HAS_ZEROS=zeros, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=_step_k(down, inter, k_cap), num_warps=warps, num_stages=stages, **magic)
+        KIND=kinds[1], HAS_ZEROS=zeros, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=_step_k(down, inter, k_cap), num_warps=warps, num_stages=stages, **constants)
     return y.view(n, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def moe(x: Tensor, router_weight: Tensor, gate_up, down, top_k: int, scoring: str = "softmax",
         renormalize: bool = True, correction_bias: Tensor | None = None, expert_offset: int = 0) -> Tensor:
-    from fd_core.runtimes.torch import ops as reference
-
     if isinstance(gate_up, list) or isinstance(down, list):  # pack_experts kept them: the reference
         return reference.moe(x, router_weight, gate_up, down, top_k, scoring, renormalize, correction_bias,
                              expert_offset)

@@ -109,6 +109,15 @@ def weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP,
     return acc
 
 
+def weight_dot_constants(dtype: torch.dtype) -> dict:
+    """``weight_dot``'s dtype-bound constants for activations of ``dtype``: the int4 magic
+    number's bits and the offset to take off (bf16 128 + 8, fp16 1024 + 8), and "ieee" products
+    for float32 (tf32 is ignored for 16-bit operands)."""
+    bf16 = dtype == torch.bfloat16
+    return {"MAGIC_BITS": 0x4300 if bf16 else 0x6400, "MAGIC_OFFSET": 136.0 if bf16 else 1032.0,
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+
+
 @triton.jit
 def _quantized_linear_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr,
@@ -383,10 +392,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         m, out_features, in_features, weight.group_size, k_split,
         dot_x.stride(0), weight.qweight.stride(0), scales.stride(0), y.stride(0),
         KIND=kind, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, ATOMIC=atomic,
-        MAGIC_BITS=0x4300 if dot_x.dtype == torch.bfloat16 else 0x6400,
-        MAGIC_OFFSET=136.0 if dot_x.dtype == torch.bfloat16 else 1032.0,
-        PRECISION="ieee" if dot_x.dtype == torch.float32 else "tf32",  # tf32: ignored for 16-bit operands
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **weight_dot_constants(dot_x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     if atomic:
         y = y.to(x.dtype)
