@@ -21,11 +21,12 @@ from fd_core.plugins.registry import EMULATE_ENV
 
 # The op table of a chip whose Paddle build ships the usual fused kernels
 # (``PaddleDevicePlatform.register_ops``), emulated on the CPU place: CPU Paddle runs the fused
-# RMSNorm and SwiGLU; the fused rope is chip-only, so rotary runs the reference. A fused kernel
-# this CPU cannot run (Paddle 3.3.1's fused_rms_norm without AVX-512) is declined by its probe,
-# and the check then expects the reference, with the probe's reason.
+# RMSNorm and SwiGLU; the fused rope and the MoE dispatch/combine are chip-only, so rotary and
+# moe run the reference. A fused kernel this CPU cannot run (Paddle 3.3.1's fused_rms_norm
+# without AVX-512) is declined by its probe, and the check then expects the reference, with the
+# probe's reason.
 FUSED_ON_THE_CPU = {"rms_norm": "fused_rms_norm", "silu_and_mul": "swiglu", "rotary": "reference",
-                    "attention": "reference", "linear": "reference"}
+                    "attention": "reference", "linear": "reference", "moe": "reference"}
 
 
 class PaddleDeviceChecks:

@@ -446,5 +446,7 @@ def test_supports():
     assert ops.supports("attention", torch.bfloat16, 128)
     assert not ops.supports("attention", torch.float16, 512)
     assert not ops.supports("rms_norm", torch.int32)
-    assert not ops.supports("moe")
+    assert ops.supports("moe", torch.bfloat16)
+    assert not ops.supports("moe", torch.int32)
+    assert not ops.supports("linear")
     assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample", "sample_async"}

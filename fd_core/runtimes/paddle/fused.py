@@ -7,6 +7,8 @@ Each adapter has its op's exact signature (``fd_core.interfaces.ops``; the NumPy
 - ``silu_and_mul``: ``paddle.nn.functional.swiglu``;
 - ``linear`` (wint8/wint4 weights only) and ``pack_linear``: ``paddle.nn.quant.weight_only_linear``
   over the layout ``weight_quantize`` makes at load (GPU-class builds; not on the CPU);
+- ``moe``: ``paddle.incubate.nn.functional.moe_gate_dispatch`` and ``moe_combine`` around the
+  experts' products (``fused_moe.py`` says what it relies on);
 - ``rotary``: ``paddle.incubate.nn.functional.fused_rotary_position_embedding``. Paddle names
   the styles the other way round from the contract: its ``use_neox_rotary_style=True`` rotates
   adjacent pairs (the contract's ``"interleaved"``), ``False`` rotates the two halves (the
@@ -47,6 +49,7 @@ import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
 from fd_core.interfaces import QuantizedWeight
+from fd_core.runtimes.paddle import fused_moe
 from fd_core.runtimes.paddle import ops as reference
 from fd_core.runtimes.paddle.ops import _to, _upload, take_rows
 
@@ -60,11 +63,12 @@ KERNELS: dict[str, str] = {
     "silu_and_mul": "swiglu",
     "rotary": "fused_rotary_position_embedding",
     "linear": "weight_only_linear",  # quantized weights only (with weight_quantize at load)
+    "moe": "moe_gate_dispatch",  # with moe_combine
 }
 FUSED_OPS = tuple(KERNELS)
 # the names the adapters are registered under (what fd doctor shows)
 _NAMES = {"rms_norm": "fused_rms_norm", "silu_and_mul": "swiglu", "rotary": "fused_rope",
-          "linear": "weight_only_linear", "pack_linear": "weight_only_linear"}
+          "linear": "weight_only_linear", "pack_linear": "weight_only_linear", "moe": "moe_gate_dispatch"}
 
 
 # --- adapters ----------------------------------------------------------------------------------
@@ -158,7 +162,7 @@ def linear(x: Tensor, weight: Any, bias: Tensor | None = None) -> Tensor:
 
 
 ADAPTERS: dict[str, Callable[..., Any]] = {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary": rotary,
-                                           "linear": linear, "pack_linear": pack_linear}
+                                           "linear": linear, "pack_linear": pack_linear, "moe": fused_moe.moe}
 
 
 # --- availability ------------------------------------------------------------------------------
@@ -204,6 +208,17 @@ def _probe_case(op: str, place: str, dtype: str) -> tuple[Callable[[], Any], Cal
             return QuantizedWeight("wint8", t(w.qweight, "int8"), t(w.scales, "float32"), -1, w.shape)
 
         return (lambda: linear(t(x), pack_linear(on_place())), lambda: reference.linear(t(x), on_place()))
+    if op == "moe":  # 4 experts, top-2 with a correction bias: ties, uneven counts, an idle expert
+        router = rng.standard_normal((4, 16)).astype(np.float32)
+        bias = np.array([0.0, 0.3, -0.2, 0.1], np.float32)
+        gate_up = [rng.standard_normal((16, 16)).astype(np.float32) * 0.25 for _ in range(4)]
+        down = [rng.standard_normal((16, 8)).astype(np.float32) * 0.35 for _ in range(4)]
+
+        def run(fn: Callable[..., Any]) -> Callable[[], Any]:
+            return lambda: fn(t(x), t(router), [t(w) for w in gate_up], [t(w) for w in down], 2, "softmax", True,
+                              t(bias, "float32"))
+
+        return run(fused_moe.moe), run(reference.moe)
     raise ValueError(f"no fused kernel probe for {op!r}; known: {sorted(KERNELS)}")
 
 
@@ -473,8 +488,11 @@ def _cache_key() -> str | None:
     if flags is None:
         return None
     try:
-        with open(__file__, "rb") as f:
-            source = hashlib.sha256(f.read()).hexdigest()
+        digest = hashlib.sha256()
+        for path in (__file__, fused_moe.__file__):  # the adapters the child runs
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        source = digest.hexdigest()
     except OSError:
         return None
     parts = [paddle.__version__, getattr(paddle.version, "commit", ""), os.path.dirname(paddle.__file__),
