@@ -98,6 +98,9 @@ class ${Camel}Platform(PaddleCustomDevicePlatform):
     paddle_device = "$name"  # places are "$name:0", "$name:1"...
     visible_devices_env = "${upper}_VISIBLE_DEVICES"
     requirement = "PaddlePaddle with the $name custom-device plugin"
+    # The driver's device files, e.g. ("/dev/${name}[0-9]*",): where none exists the chip is
+    # reported absent without importing paddle. Empty: always ask paddle.
+    device_nodes = ()
 
     def chip_capabilities(self) -> Capabilities:
         # Declare only what this backend really does on the chip: the conformance kit tests

@@ -70,7 +70,10 @@ def import_runtime(runtime: str, flag: str = "") -> Any:
     """The runtime's module, or a BackendError (starting with ``flag``) saying why it cannot be
     imported."""
     try:
-        return importlib.import_module(RUNTIMES.get(runtime, runtime))
+        module = importlib.import_module(RUNTIMES.get(runtime, runtime))
+        if runtime in _LIBRARIES:  # a runtime package may import its library lazily: fail here, not later
+            importlib.import_module(_LIBRARIES[runtime][0])
+        return module
     except Exception as exc:  # noqa: BLE001 - ImportError, or a native library that fails to load
         hint = _LIBRARIES.get(runtime, (None, ""))[1]
         raise BackendError(

@@ -4,13 +4,15 @@ once: a backend's test module subclasses :class:`PaddleDeviceChecks` (or
 attributes, says how its Paddle build is faked, and pytest runs every check against it.
 
 What they cover: the platform's names, detection through a faked Paddle (built for the chip
-with devices, without devices, not built), the sentence on this machine, the manifest on the
-chip, and the op table in emulation. The generic behaviour of the base (visible-devices
+with devices, without devices, not built) once the driver's device files exist, no Paddle asked
+where they do not, the sentence on this machine, the manifest on the chip, and the op table in
+emulation. The generic behaviour of the base (visible-devices
 variable, emulation, memory, collectives) is fd-core's own tests'.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -18,6 +20,8 @@ import pytest
 from fd_core.plugins import OpRegistry
 from fd_core.plugins.ops import op_context
 from fd_core.plugins.registry import EMULATE_ENV
+from fd_core.runtimes import device_nodes
+from fd_core.runtimes.device_nodes import IGNORE_ENV as IGNORE_DEVICE_NODES
 
 # The op table of a chip whose Paddle build ships the usual fused kernels
 # (``PaddleDevicePlatform.register_ops``), emulated on the CPU place: CPU Paddle runs the fused
@@ -50,6 +54,16 @@ class PaddleDeviceChecks:
     def _clean_env(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(EMULATE_ENV, raising=False)
         monkeypatch.delenv(self.visible_devices_env, raising=False)
+        monkeypatch.delenv(IGNORE_DEVICE_NODES, raising=False)
+
+    @pytest.fixture
+    def driver(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+        """The chip's driver loaded: a device file where the platform looks for one."""
+        node = tmp_path / "dev" / "chip0"
+        node.parent.mkdir()
+        node.touch()
+        monkeypatch.setattr(self.platform_class, "device_nodes", (str(tmp_path / "dev" / "chip[0-9]*"),))
+        return node
 
     def test_names(self) -> None:
         from fd_core.interfaces import Platform
@@ -60,20 +74,20 @@ class PaddleDeviceChecks:
         assert p.visible_devices_env == self.visible_devices_env
         assert (p.collective_backend, p.collective_library) == self.collectives
 
-    def test_detected_through_paddle(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_detected_through_paddle(self, monkeypatch: pytest.MonkeyPatch, driver: Path) -> None:
         self.fake_paddle(monkeypatch, built=True, count=8)
         p = self.platform_class()
         assert p.is_available() == (True, "")
         assert p.device_count() == p.capabilities().device_count == 8
         assert p.describe_devices()[0] == f"{self.paddle_device}:0"
 
-    def test_not_built_for_the_chip(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_not_built_for_the_chip(self, monkeypatch: pytest.MonkeyPatch, driver: Path) -> None:
         import paddle
 
         self.fake_paddle(monkeypatch, built=False, count=0)
         assert self.platform_class().is_available() == (False, f"paddle {paddle.__version__} {self.not_built}")
 
-    def test_built_but_no_device(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_built_but_no_device(self, monkeypatch: pytest.MonkeyPatch, driver: Path) -> None:
         self.fake_paddle(monkeypatch, built=True, count=0)
         ok, why = self.platform_class().is_available()
         assert not ok and "sees no device" in why and self.visible_devices_env in why
@@ -81,12 +95,31 @@ class PaddleDeviceChecks:
     def test_this_machine(self) -> None:
         import paddle
 
-        ok, why = self.platform_class().is_available()
+        p = self.platform_class()
+        ok, why = p.is_available()
         if ok:
             pytest.skip("this machine has the chip")
-        assert why.startswith(f"paddle {paddle.__version__} ") and "\n" not in why
+        assert "\n" not in why
+        if device_nodes.missing(p.device_nodes, p.name):  # no driver: paddle is not asked
+            assert why.startswith(f"no {p.name} device: none of {p.device_nodes[0]} exists")
+        else:
+            assert why.startswith(f"paddle {paddle.__version__} ")
 
-    def test_capabilities_on_the_chip(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_without_the_driver_paddle_is_not_asked(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        p = self.platform_class()
+        monkeypatch.setattr(type(p), "device_nodes", (str(tmp_path / "chip[0-9]*"),))
+        monkeypatch.setattr(type(p), "probe", lambda _: pytest.fail("paddle was asked"))
+        registry = OpRegistry()
+        self.plugin.fd_register_ops(registry)
+        why = (f"no {p.name} device: none of {tmp_path}/chip[0-9]* exists (the driver creates them; in a "
+               f"container, pass the devices in); set {IGNORE_DEVICE_NODES}=1 to ask the library anyway")
+        assert p.is_available() == (False, why)
+        assert not registry.implementations("rms_norm", p.device_type)  # no adapter, so no paddle import
+        monkeypatch.setenv(IGNORE_DEVICE_NODES, "1")
+        monkeypatch.setattr(type(p), "probe", lambda _: (0, "asked"))
+        assert p.is_available() == (False, "asked")
+
+    def test_capabilities_on_the_chip(self, monkeypatch: pytest.MonkeyPatch, driver: Path) -> None:
         self.fake_paddle(monkeypatch, built=True, count=2)
         caps = self.platform_class().capabilities()
         assert caps.dtypes == caps.kv_cache_dtypes == self.dtypes

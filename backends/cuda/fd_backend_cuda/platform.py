@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 from fd_core.interfaces import Capabilities
+from fd_core.runtimes import device_nodes
+
+# the NVIDIA driver's device files: where none exists, no GPU is here and torch is not imported
+DEVICE_NODES = ("/dev/nvidia[0-9]*",)
 
 
 class CudaPlatform:
@@ -19,6 +23,9 @@ class CudaPlatform:
     # a long prompt waits a fraction of a second for it; --long-prefill-token-threshold sets one.
 
     def is_available(self) -> tuple[bool, str]:
+        absent = device_nodes.missing(DEVICE_NODES, self.name)
+        if absent:
+            return False, absent
         try:
             import torch
         except ImportError:
@@ -30,17 +37,19 @@ class CudaPlatform:
         return True, ""
 
     def device_count(self) -> int:
+        if not self.is_available()[0]:
+            return 0
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return torch.cuda.device_count()
 
     def capabilities(self) -> Capabilities:
-        import torch
-
         dtypes = {"float32", "float16"}
         quantization = {"wint8", "wint4"}
         kv_cache = {"int8"}  # quantized KV caches (fd_core.quantization.kv_cache), read in the attention kernel
-        if torch.cuda.is_available():
+        if self.is_available()[0]:
+            import torch
+
             major, minor = torch.cuda.get_device_capability(0)
             if major >= 8:  # bfloat16 from Ampere (sm80)
                 dtypes.add("bfloat16")

@@ -16,6 +16,13 @@ def fd_platforms():
 
 @hookimpl
 def fd_register_ops(registry):
+    from fd_backend_cuda.platform import CudaPlatform
+
+    # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
+    # kernels (cuBLAS for the matmuls), not a fallback.
+    registry.use_reference("cuda", "torch")
+    if not CudaPlatform().is_available()[0]:
+        return  # no GPU here: the table is never selected, and the kernels would import torch and triton
     try:
         from fd_backend_cuda import ops
     except ImportError:  # no triton: the torch reference ops serve every op
@@ -50,6 +57,3 @@ def fd_register_ops(registry):
     # the fused MoE (kernels/moe.py) reads the experts its own pack_experts stacked at load
     for op, fn in (("moe", ops.moe), ("pack_experts", ops.pack_experts)):
         registry.register(op, "cuda", fn, name="triton-moe", priority=10, supports=experts, runtime="torch")
-    # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
-    # kernels (cuBLAS for the matmuls), not a fallback.
-    registry.use_reference("cuda", "torch")

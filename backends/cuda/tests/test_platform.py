@@ -20,6 +20,26 @@ def test_cuda_is_discovered_with_honest_capabilities():
     assert ("bfloat16" in caps.dtypes) == (torch.cuda.get_device_capability(0)[0] >= 8)
 
 
+def test_without_the_driver_torch_is_not_asked(monkeypatch, tmp_path):
+    """No /dev/nvidiaN: unavailable with the sentence, no GPU kernels registered (so no triton
+    import), and the manifest without the device's dtypes; runs without a GPU."""
+    from fd_core.plugins import OpRegistry
+
+    from fd_backend_cuda import platform, plugin
+
+    monkeypatch.setattr(platform, "DEVICE_NODES", (str(tmp_path / "nvidia[0-9]*"),))
+    monkeypatch.delenv("FD_IGNORE_DEVICE_NODES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("torch was asked"))
+    p = platform.CudaPlatform()
+    ok, why = p.is_available()
+    assert not ok and why.startswith(f"no cuda device: none of {tmp_path}/nvidia[0-9]* exists")
+    caps = p.capabilities()
+    assert caps.device_count == 0 and "bfloat16" not in caps.dtypes
+    registry = OpRegistry()
+    plugin.fd_register_ops(registry)
+    assert not registry.implementations("attention", "cuda")
+
+
 def test_greedy_tokens_are_transformers_argmax_on_the_gpu(llama):
     """fd's 64 greedy tokens, fed back to transformers (float32, same GPU) in one forward: each
     is its argmax at that position. Teacher forcing, because transformers' own generate() decodes

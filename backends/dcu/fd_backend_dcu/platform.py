@@ -15,6 +15,7 @@ class DcuPlatform(PaddleDevicePlatform):
     collective_backend = "nccl"
     collective_library = "rccl"
     requirement = "the ROCm (DTK) build of paddlepaddle"
+    device_nodes = ("/dev/kfd",)  # ROCm's (and Hygon DTK's) kernel driver interface
 
     def probe(self) -> tuple[int, str]:
         import paddle

@@ -28,7 +28,7 @@ class TestDcuPlatform(PaddleDeviceChecks):
         monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: built if cuda is None else cuda)
         monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: count)
 
-    def test_the_cuda_build_is_named(self, monkeypatch):
+    def test_the_cuda_build_is_named(self, monkeypatch, driver):
         self.fake_paddle(monkeypatch, built=False, count=2, cuda=True)
         ok, why = DcuPlatform().is_available()
         assert not ok and "is the CUDA build, not the ROCm one" in why and "ROCm (DTK) build" in why

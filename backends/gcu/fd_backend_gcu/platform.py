@@ -13,6 +13,7 @@ class GcuPlatform(PaddleCustomDevicePlatform):
     paddle_device = "gcu"
     visible_devices_env = "TOPS_VISIBLE_DEVICES"
     requirement = "paddle-custom-gcu"
+    device_nodes = ("/dev/gcu[0-9]*",)  # the Enflame driver's /dev/gcu0..
 
     def chip_capabilities(self) -> Capabilities:
         # No bfloat16: the plugin's swiglu (which Paddle's reference silu_and_mul calls too) is

@@ -13,6 +13,7 @@ class IluvatarPlatform(PaddleCustomDevicePlatform):
     paddle_device = "iluvatar_gpu"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"  # Iluvatar's CUDA-compatible runtime reads it
     requirement = "paddle-iluvatar-gpu"
+    device_nodes = ("/dev/iluvatar*",)  # the CoreX driver's /dev/iluvatar0..
 
     def chip_capabilities(self) -> Capabilities:
         # float16/bfloat16: the plugin registers rms_norm, swiglu and fused rope for float32,

@@ -14,6 +14,7 @@ class XpuPlatform(PaddleDevicePlatform):
     collective_backend = "bkcl"
     collective_library = "bkcl"
     requirement = "paddlepaddle-xpu"
+    device_nodes = ("/dev/xpu[0-9]*",)  # the Kunlunxin driver's /dev/xpu0.. (containers are started with --device=/dev/xpuN)
 
     def probe(self) -> tuple[int, str]:
         import paddle

@@ -14,8 +14,10 @@ counts the entries of the chip's visible-devices variable (1 when it is unset; a
 variable still means no device). Chip-only kernels are then unavailable on the CPU place and
 their adapters (``fd_core.runtimes.paddle.fused``) decline, so the reference runs instead.
 
-This module is part of ``fd_core.runtimes.paddle``, whose ``__init__`` imports paddle: importing
-it imports paddle. Paddle is needed anyway to tell whether the chip is there.
+Detection first looks for the chip driver's device files (``device_nodes``,
+``fd_core.runtimes.device_nodes``): where none exists the chip is absent and paddle is not
+imported, so discovering a backend on a machine without its chip costs no paddle import. This
+module imports paddle only inside the methods that use it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Iterable
 
 from fd_core.interfaces import Capabilities
 from fd_core.plugins.registry import EMULATE_ENV, emulated
-from fd_core.runtimes import HOST_DTYPES, reference_capabilities
+from fd_core.runtimes import HOST_DTYPES, device_nodes, reference_capabilities
 
 __all__ = ["EMULATE_ENV", "PaddleCustomDevicePlatform", "PaddleDevicePlatform", "emulated"]
 
@@ -46,6 +48,7 @@ class PaddleDevicePlatform:
     collective_backend: str = ""  # paddle.distributed's name: "bkcl", "xccl", "nccl"...
     collective_library: str = ""  # what Capabilities reports: "bkcl", "xccl", "rccl"...
     requirement: str = ""  # what to install for the chip, e.g. "paddlepaddle-xpu"
+    device_nodes: tuple[str, ...] = ()  # globs of the driver's device files, e.g. ("/dev/xpu[0-9]*",)
     # A step of a few dozen tokens keeps an emulated (CPU) server's streams responsive, as on
     # the cpu backend; on the chip the engine's default applies.
     emulated_max_num_batched_tokens = 48
@@ -110,12 +113,15 @@ class PaddleDevicePlatform:
 
     def detect(self) -> tuple[int, str]:
         """``(devices, why not)``: the fake probe when emulated, else the visible-devices
-        variable and then :meth:`probe`."""
+        variable, the driver's device files and then :meth:`probe`."""
         if self.emulated:
             return self._fake_probe()
         value = os.environ.get(self.visible_devices_env)
         if value is not None and not value.strip():
             return 0, self._empty_visible()
+        absent = device_nodes.missing(self.device_nodes, self.name)
+        if absent:
+            return 0, absent
         try:
             count, why = self.probe()
         except Exception as exc:  # noqa: BLE001 - a broken paddle install must not stop fd backends
@@ -208,10 +214,12 @@ class PaddleDevicePlatform:
         adapters where they run on the device (emulated: the CPU place, where the chip-only ones
         are missing and decline to the reference), and Paddle's standard kernels for every other
         op, adopted as this backend's own rather than a fallback. For ``fd_register_ops``."""
+        registry.use_reference(self.device_type, "paddle")
+        if self.detect()[0] <= 0:
+            return  # no chip here: its table is never selected, and the adapters would import paddle
         from fd_core.runtimes.paddle.fused import register_fused
 
         register_fused(registry, self.device_type, self.kernel_place)
-        registry.use_reference(self.device_type, "paddle")
 
 
 class PaddleCustomDevicePlatform(PaddleDevicePlatform):
