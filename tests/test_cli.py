@@ -68,3 +68,53 @@ def test_generate_and_local_chat(tmp_path):
               stdin="hi\n/reset\nagain\n/exit\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("assistant> ") == 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_chat_to_no_server_says_so_in_one_line():
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    out = fd("chat", "--base-url", url, stdin="hello\n", timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fd chat: cannot reach a server at {url} (ConnectError")
+    assert lines[0].endswith("is `fd serve` running there?")
+
+
+def test_remote_chat_to_something_else_names_its_answer():
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b"no such page")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = fd("chat", "--base-url", url, stdin="hello\n", timeout=60)
+    finally:
+        server.shutdown()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == f"fd chat: {url}/v1/models answered 404: no such page"
+
+
+def test_every_option_says_what_it_does():
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = {name: [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+            for name, parser in sub.choices.items()}
+    assert not any(bare.values()), bare

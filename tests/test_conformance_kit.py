@@ -193,6 +193,20 @@ def test_kit_runs_the_collectives_across_two_ranks_and_names_a_wrong_one(tmp_pat
            "[[0, 0], [1, 1]]" in result.stdout, result.stdout[-4000:]
 
 
+def test_a_raising_is_available_is_one_failure_not_a_crash(tmp_path):
+    site = tmp_path / "site"
+    source = WRONG.replace("GRAPHS", "False").replace(
+        'def is_available(self):\n            return True, ""',
+        'def is_available(self):\n            raise OSError("the status file is unreadable")')
+    assert "the status file is unreadable" in source
+    fake_dists.install(site, "fd-backend-wrongchip", "fd_backend_wrongchip", source, "wrongchip")
+    result = run_kit(tmp_path, "--fd-device", "wrongchip", pythonpath=site)
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "1 failed" in summary(result) and "error" not in summary(result), summary(result)
+    assert "_ test_platform_answers _" in result.stdout, result.stdout[-4000:]
+    assert "OSError: the status file is unreadable" in result.stdout
+
+
 def test_kit_without_a_device_is_a_usage_error(tmp_path):
     result = run_kit(tmp_path)
     assert result.returncode == 4 and "needs --fd-device NAME" in result.stderr, result.stderr[-2000:]

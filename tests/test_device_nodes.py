@@ -31,7 +31,7 @@ import io, json, sys, argparse, contextlib
 from fd_core.entrypoints.cli import cmd_backends
 from fd_core.plugins import get_registry
 with contextlib.redirect_stdout(io.StringIO()):
-    cmd_backends(argparse.Namespace(json=True))
+    cmd_backends(argparse.Namespace(json=True, verbose=False))
 absent = [p.name for p in get_registry().platforms() if p.name != "cpu" and not getattr(p, "emulated", False)
           and not p.is_available()[0] and "none of" in p.is_available()[1]]
 print(json.dumps({"absent": absent, "imported": sorted(m for m in ("paddle", "torch", "triton") if m in sys.modules)}))

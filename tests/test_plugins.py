@@ -63,8 +63,12 @@ def test_failures_are_reported_and_cpu_keeps_working(site):
     assert reg.platform("cpu").name == "cpu"
     with pytest.raises(BackendError, match="failed to load.*libvendor"):
         reg.platform("broken")
-    with pytest.raises(BackendError, match="no such backend.*installed backends: cpu, .*toy"):
+    with pytest.raises(BackendError, match="no such backend; a backend is a package of its own.*installed "
+                                           "backends: cpu, .*toy"):
         reg.platform("nonexistent")
+    with pytest.raises(BackendError, match=r"--device xpu: no such backend; install it with pip install "
+                                           r"fd-backend-xpu; installed backends: none"):
+        BackendRegistry(entry_points=[]).platform("xpu")
 
 
 def test_a_registration_that_fails_part_way_leaves_nothing_behind(site):
@@ -72,7 +76,8 @@ def test_a_registration_that_fails_part_way_leaves_nothing_behind(site):
     try:
         reg = BackendRegistry()
         half = {r.name: r for r in reg.records}["half"]
-        assert half.error == "hook failed: RuntimeError: the vendor kernel library is missing"
+        assert half.error == ("hook failed: RuntimeError: the vendor kernel library is missing "
+                              f"(at {site}/fd_backend_half/__init__.py:14)")
         assert [i.name for i in reg.ops.implementations("silu_and_mul", "cpu")] == []
         assert ("halfchip", "paddle") not in reg.ops._adopted
         rows = {op: impl for op, impl, _, _ in reg.op_table(reg.platform("cpu"), {"dtype": "float32"}).describe()}
@@ -124,6 +129,46 @@ def test_out_of_tree_op_wins_others_fall_back(site, caplog):
         reg.op_table(toy, {}, {"flash": "x"})
 
 
+def test_a_wrong_signature_is_refused_at_load_naming_plugin_op_and_contract(site):
+    fake_dists.install(site, "fd-backend-wrong", "fd_backend_wrong", fake_dists.WRONG_SIGNATURE, "wrong")
+    try:
+        reg = BackendRegistry()
+        wrong = {r.name: r for r in reg.records}["wrong"]
+        assert wrong.error == (
+            "hook failed: TypeError: fd-backend-wrong registers 'wrong-rms-norm' for rms_norm on cpu, but it takes "
+            "no parameter 4 (residual); the contract is rms_norm(x: T[..., H], weight: T[H], eps: float, "
+            f"residual: T[..., H] | None = None) -> T | tuple[T, T] (at {site}/fd_backend_wrong/__init__.py:15)")
+        assert [i.name for i in reg.ops.implementations("rms_norm", "cpu")] == []
+    finally:
+        sys.modules.pop("fd_backend_wrong", None)
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x, weight, eps, residual=None: x, ""),
+    (lambda h, w, e, r=None: h, "does not take residual= by name"),  # a renamed default
+    (lambda *args, **kwargs: None, ""),
+    (lambda x, weight, eps, residual, scale: x, "requires scale, which the engine never passes"),
+    (lambda x, weight, eps, residual, *, out: x, "requires out, which the engine never passes"),
+])
+def test_signature_rules(fn, why):
+    from fd_core.plugins.signatures import mismatch
+
+    assert mismatch("rms_norm", fn) == why
+
+
+def test_every_shipped_op_table_has_the_contract_signatures():
+    from fd_core.plugins.signatures import mismatch
+    from fd_core.runtimes.paddle import REFERENCE_OPS as paddle_ops
+    from fd_core.runtimes.paddle.fused import ADAPTERS
+
+    tables = [paddle_ops, ADAPTERS]
+    if __import__("importlib").util.find_spec("torch"):
+        from fd_core.runtimes.torch import REFERENCE_OPS as torch_ops
+
+        tables.append(torch_ops)
+    assert {op: mismatch(op, fn) for table in tables for op, fn in table.items() if mismatch(op, fn)} == {}
+
+
 def test_registering_an_unknown_op_is_refused():
     with pytest.raises(ValueError, match="unknown op"):
         OpRegistry().register("conv2d", "cpu", lambda x: x, name="x")
@@ -138,11 +183,11 @@ def test_a_declining_predicate_may_say_why():
 
     float32_only.why = lambda dtype=None, **_: f"the kernel has no {dtype} variant"
     reg = OpRegistry()
-    reg.register("rms_norm", "chip", lambda *a: None, name="told", priority=2, supports=float32_only)
+    reg.register("rms_norm", "chip", lambda *a, **k: None, name="told", priority=2, supports=float32_only)
     silent = lambda dtype=None, **_: dtype == "float32"  # noqa: E731
     silent.why = broken_why
-    reg.register("rms_norm", "chip", lambda *a: None, name="silent", priority=1, supports=silent)
-    reg.register_reference("paddle", {"rms_norm": lambda *a: None})
+    reg.register("rms_norm", "chip", lambda *a, **k: None, name="silent", priority=1, supports=silent)
+    reg.register_reference("paddle", {"rms_norm": lambda *a, **k: None})
     reason = reg.select("chip", "paddle", {"dtype": "bfloat16"}).choices["rms_norm"].reason
     assert ("declined (told: supports() declined this configuration: the kernel has no bfloat16 variant; "
             "silent: supports() declined this configuration)") in reason  # a failing why() adds nothing
@@ -187,8 +232,15 @@ def test_fd_backends_cli_reports_everything(site):
     text = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert text.returncode == 0
-    assert f"device cpu: type cpu, runtime paddle, {os.cpu_count() or 1} device(s)" in text.stdout
+    assert "device cpu: type cpu, runtime paddle, 1 device\n" in text.stdout  # one CPU, whatever its cores
     assert "reason: import failed" in text.stdout
+    # the plugin's own file and line, and with --verbose the traceback
+    broken = str(site / "fd_backend_broken" / "__init__.py")
+    assert f"libvendor_runtime.so: cannot open shared object file (at {broken}:2)" in report["broken"]["reason"]
+    verbose = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backends", "--verbose"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert verbose.returncode == 0 and "  Traceback (most recent call last):" in verbose.stdout
+    assert f'  File "{broken}", line 2, in <module>' in verbose.stdout
 
 
 def test_fd_doctor_prints_the_chosen_table(site, tmp_path):

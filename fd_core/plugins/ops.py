@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from fd_core.errors import ConfigError
 from fd_core.interfaces import OP_SPECS, QuantizedWeight
+from fd_core.plugins.signatures import mismatch
 
 log = logging.getLogger("fd.ops")
 
@@ -120,6 +121,10 @@ class OpRegistry:
         when the engine runs on that runtime. None: any runtime the device type runs on."""
         if op not in OP_SPECS:
             raise ValueError(f"unknown op {op!r}; the contract defines {sorted(OP_SPECS)}")
+        wrong = mismatch(op, fn)
+        if wrong:
+            raise TypeError(f"{self._current_source or 'a plugin'} registers {name!r} for {op} on {device_type}, "
+                            f"but it {wrong}; the contract is {OP_SPECS[op].signature}")
         impl = OpImpl(op, device_type, name, fn, priority, supports or _always, self._current_source, runtime)
         self._impls.setdefault((op, device_type), []).append(impl)
 
@@ -134,6 +139,9 @@ class OpRegistry:
         unknown = set(table) - set(OP_SPECS)
         if unknown:
             raise ValueError(f"unknown ops in the {runtime} reference table: {sorted(unknown)}")
+        wrong = {op: why for op, fn in table.items() if (why := mismatch(op, fn))}
+        if wrong:
+            raise TypeError(f"the {runtime} reference table's ops differ from the contract: {wrong}")
         self._references[runtime] = dict(table)
 
     def implementations(self, op: str, device_type: str, runtime: str | None = None) -> list[OpImpl]:

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Callable, Iterable
@@ -32,6 +33,10 @@ def emulated(name: str) -> bool:
     """Whether the user asked for ``name``'s emulation mode (``FD_EMULATE``)."""
     names = {n.strip() for n in os.environ.get(EMULATE_ENV, "").split(",") if n.strip()}
     return name in names or "all" in names
+
+# The backends fd's project publishes, for the hint when one is asked for and not installed (text
+# only: the core never imports a backend by name).
+PACKAGES = {name: f"fd-backend-{name}" for name in ("cuda", "xpu", "dcu", "gcu", "iluvatar")}
 
 # Runtimes ship inside fd-core; a backend names one by key, or by module path for its own.
 RUNTIMES = {"paddle": "fd_core.runtimes.paddle", "torch": "fd_core.runtimes.torch"}
@@ -112,10 +117,22 @@ class BackendRecord:
     module: Any = None
     platforms: list[Platform] = field(default_factory=list)
     error: str = ""  # why it could not be used; empty when it loaded
+    traceback: str = ""  # the failure's whole traceback (fd backends --verbose)
 
     @property
     def loaded(self) -> bool:
         return not self.error
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at FILE:LINE)`` of the innermost frame outside fd-core that raised ``exc``: the
+    plugin's own line, where an import or a hook failed."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_CORE) and not f.filename.startswith("<")]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+_CORE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fd_core/
 
 
 def _call(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
@@ -162,7 +179,8 @@ class BackendRegistry:
             except BaseException as exc:  # noqa: BLE001 - a broken plugin must never stop the core
                 if isinstance(exc, KeyboardInterrupt):
                     raise
-                record.error = f"import failed: {type(exc).__name__}: {exc}"
+                record.error = f"import failed: {type(exc).__name__}: {exc}{_where(exc)}"
+                record.traceback = "".join(traceback.format_exception(exc))
                 log.warning("backend %s (%s) failed to load: %s", ep.name, record.package, record.error)
                 continue
             declared = getattr(module, "FD_API_VERSION", None)
@@ -193,7 +211,8 @@ class BackendRegistry:
                 with self.ops.registering(record.package):
                     _call(op_impls[record.name], registry=self.ops)
         except Exception as exc:
-            record.error = f"hook failed: {type(exc).__name__}: {exc}"
+            record.error = f"hook failed: {type(exc).__name__}: {exc}{_where(exc)}"
+            record.traceback = "".join(traceback.format_exception(exc))
             record.platforms = []
             log.warning("backend %s (%s) failed: %s", record.name, record.package, record.error)
             self.pm.unregister(name=record.name)
@@ -229,7 +248,9 @@ class BackendRegistry:
         failed = [r for r in self.failures() if r.name == device]
         if failed:
             raise BackendError(f"--device {device}: the backend failed to load: {failed[0].error}")
-        raise BackendError(f"--device {device}: no such backend; {self._summary()}")
+        hint = (f"install it with pip install {PACKAGES[device]}" if device in PACKAGES else
+                "a backend is a package of its own (fd's are named fd-backend-<device>)")
+        raise BackendError(f"--device {device}: no such backend; {hint}; {self._summary()}")
 
     def _summary(self) -> str:
         names = [p.name for p in self.platforms()] or ["none"]

@@ -79,7 +79,7 @@ EXTRA_OP = """
     @hookimpl
     def fd_register_ops(registry):
         registry.register("silu_and_mul", "toy", silu_and_mul, name="toy-silu", priority=10)
-        registry.register("rms_norm", "toy", silu_and_mul, name="never", priority=5,
+        registry.register("rms_norm", "toy", lambda x, weight, eps, residual=None: x, name="never", priority=5,
                           supports=lambda dtype=None, **_: dtype == "int3")
         # a kernel built for one head size, as many fused rotary kernels are
         registry.register("rotary", "toy", rotary, name="toy-rope-16", priority=10,
@@ -90,9 +90,8 @@ EXTRA_OP = """
         return REFERENCE_OPS["rotary"](*args, **kwargs)
 """
 
-# A backend whose registration fails part way, after it registered an op for a device type
-# another backend (cpu) also runs: none of what it registered may stay behind.
-HALF_REGISTERED = """
+# a backend with no platform of its own, only op registrations (the lines that follow)
+_OPS_ONLY = """
     from fd_core.plugins import hookimpl
 
     FD_API_VERSION = "1.0"
@@ -103,7 +102,18 @@ HALF_REGISTERED = """
 
     @hookimpl
     def fd_register_ops(registry):
-        registry.register("silu_and_mul", "cpu", lambda x: x, name="half-silu", priority=99)
+"""
+
+# A backend whose registration fails part way, after it registered an op for a device type
+# another backend (cpu) also runs: none of what it registered may stay behind.
+HALF_REGISTERED = _OPS_ONLY + """        registry.register("silu_and_mul", "cpu", lambda x: x, name="half-silu", priority=99)
         registry.use_reference("halfchip", "paddle", name="half-reference")
         raise RuntimeError("the vendor kernel library is missing")
+"""
+
+# rms_norm without its residual: refused at registration, naming the plugin, the op and the contract
+WRONG_SIGNATURE = _OPS_ONLY + """        def rms_norm(x, weight, eps):
+            return x
+
+        registry.register("rms_norm", "cpu", rms_norm, name="wrong-rms-norm", priority=99)
 """
