@@ -20,14 +20,17 @@ START_TIMEOUT_S = 180
 class Server:
     """One ``python -m fd_server`` process on a free loopback port."""
 
-    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 command: list[str] | None = None) -> None:
+        """``command``: what starts the server (default: this interpreter's ``-m fd_server``),
+        e.g. another venv's ``fd serve``."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "fd_server", "--model", model, "--host", "127.0.0.1",
+        cmd = [*(command or [sys.executable, "-m", "fd_server"]), "--model", model, "--host", "127.0.0.1",
                "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})

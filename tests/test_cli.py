@@ -132,3 +132,10 @@ def test_serve_takes_the_model_as_vllm_does():
     assert model() == DEFAULT_MODEL
     with pytest.raises(ConfigError, match="the model is given twice: a and --model b; give it once"):
         model("a", "--model", "b")
+
+
+def test_output_into_a_closed_pipe_is_no_error():
+    # as `fd backends | head -1` once head has its line: here the reader is gone before fd writes
+    pipe = subprocess.run(f"{sys.executable} -m fd_core.entrypoints.cli backends -v | true",
+                          shell=True, capture_output=True, text=True, timeout=60)
+    assert pipe.stderr == "", pipe.stderr

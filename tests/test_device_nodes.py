@@ -47,3 +47,21 @@ def test_fd_backends_imports_no_tensor_library_where_no_chip_is_present():
     # the vendor backends this suite installs (README), each without its chip on this machine
     assert {"xpu", "dcu", "gcu", "iluvatar"} <= set(result["absent"]), result
     assert result["imported"] == [], result
+
+
+def test_a_paddle_device_without_paddle_names_the_build_to_install(monkeypatch):
+    # fd-core installs no Paddle, and a backend installed with --no-deps may find none
+    from fd_backend_xpu.platform import XpuPlatform
+
+    from fd_core.backends import cpu
+    from fd_core.runtimes.paddle import device
+
+    monkeypatch.setenv(device_nodes.IGNORE_ENV, "1")
+    monkeypatch.setattr(device, "_paddle_installed", lambda: False)
+    assert XpuPlatform().is_available() == (False, "paddle is not installed; install paddlepaddle-xpu")
+    monkeypatch.setattr(cpu, "runtime_installed", lambda runtime: False)
+    assert cpu.default_runtime() == "paddle"
+    assert cpu.CpuPlatform().is_available() == (
+        False, "no tensor library to run on: install fd-core[paddle] (or fd-core[torch])")
+    monkeypatch.setattr(cpu, "runtime_installed", lambda runtime: runtime == "torch")
+    assert cpu.default_runtime() == "torch" and cpu.CpuPlatform("torch").is_available() == (True, "")

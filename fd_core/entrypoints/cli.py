@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -434,6 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fd backends | head`: the reader is gone, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so exit's flush is quiet
+        return 0
 
 
 if __name__ == "__main__":

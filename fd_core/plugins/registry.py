@@ -41,7 +41,7 @@ PACKAGES = {name: f"fd-backend-{name}" for name in ("cuda", "xpu", "dcu", "gcu",
 # Runtimes ship inside fd-core; a backend names one by key, or by module path for its own.
 RUNTIMES = {"paddle": "fd_core.runtimes.paddle", "torch": "fd_core.runtimes.torch"}
 # The tensor library behind each built-in runtime, and how to install it.
-_LIBRARIES = {"paddle": ("paddle", "pip install paddlepaddle"), "torch": ("torch", "pip install 'fd-core[torch]'")}
+_LIBRARIES = {"paddle": ("paddle", "pip install 'fd-core[paddle]'"), "torch": ("torch", "pip install 'fd-core[torch]'")}
 
 
 def availability(platform: Platform) -> tuple[bool, str]:
@@ -238,7 +238,7 @@ class BackendRegistry:
             accel = [p for p in usable if p.name != "cpu"]
             if accel or usable:
                 return bind_runtime((accel or usable)[0], runtime)
-            raise BackendError("no usable backend: " + self._summary())
+            raise BackendError("no usable backend: " + self._summary(why_unavailable=True))
         for p in platforms:
             if p.name == device:
                 ok, why = availability(p)
@@ -252,8 +252,11 @@ class BackendRegistry:
                 "a backend is a package of its own (fd's are named fd-backend-<device>)")
         raise BackendError(f"--device {device}: no such backend; {hint}; {self._summary()}")
 
-    def _summary(self) -> str:
-        names = [p.name for p in self.platforms()] or ["none"]
+    def _summary(self, why_unavailable: bool = False) -> str:
+        if why_unavailable:  # nothing is usable: say what each one lacks
+            names = [f"{p.name} ({availability(p)[1]})" for p in self.platforms()] or ["none"]
+        else:
+            names = [p.name for p in self.platforms()] or ["none"]
         text = "installed backends: " + ", ".join(names)
         if self.failures():
             text += "; failed: " + "; ".join(f"{r.name} ({r.error})" for r in self.failures())

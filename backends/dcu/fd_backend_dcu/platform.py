@@ -14,7 +14,7 @@ class DcuPlatform(PaddleDevicePlatform):
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     collective_backend = "nccl"
     collective_library = "rccl"
-    requirement = "the ROCm (DTK) build of paddlepaddle"
+    requirement = "paddlepaddle-dcu (Paddle's ROCm build)"
     device_nodes = ("/dev/kfd",)  # ROCm's (and Hygon DTK's) kernel driver interface
 
     def probe(self) -> tuple[int, str]:

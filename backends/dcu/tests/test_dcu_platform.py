@@ -17,7 +17,7 @@ class TestDcuPlatform(PaddleDeviceChecks):
     paddle_device = "gpu"
     visible_devices_env = "HIP_VISIBLE_DEVICES"
     collectives = ("nccl", "rccl")
-    not_built = "is not built with ROCm (Hygon DCU) support; install the ROCm (DTK) build of paddlepaddle"
+    not_built = "is not built with ROCm (Hygon DCU) support; install paddlepaddle-dcu (Paddle's ROCm build)"
     dtypes = frozenset({"float32", "float16", "bfloat16"})
     memory_query = True
     pinned_host_memory = True
@@ -31,4 +31,4 @@ class TestDcuPlatform(PaddleDeviceChecks):
     def test_the_cuda_build_is_named(self, monkeypatch, driver):
         self.fake_paddle(monkeypatch, built=False, count=2, cuda=True)
         ok, why = DcuPlatform().is_available()
-        assert not ok and "is the CUDA build, not the ROCm one" in why and "ROCm (DTK) build" in why
+        assert not ok and "is the CUDA build, not the ROCm one" in why and "install paddlepaddle-dcu" in why

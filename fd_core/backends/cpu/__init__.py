@@ -11,6 +11,7 @@ import os
 
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
+from fd_core.plugins.registry import runtime_installed
 from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
 FD_API_VERSION = "1.7"  # moe's expert_offset (1.7), quantized KV caches (1.6), pack_linear (1.5)
@@ -50,6 +51,9 @@ class CpuPlatform:
         return type(self)(name)
 
     def is_available(self) -> tuple[bool, str]:
+        if not runtime_installed(self.runtime):
+            return False, (f"no tensor library to run on: install fd-core[{self.runtime}]"
+                           + (" (or fd-core[torch])" if self.runtime == "paddle" else ""))
         return True, ""
 
     def device_count(self) -> int:
@@ -99,7 +103,17 @@ class CpuPlatform:
 
 @hookimpl
 def fd_platforms():
-    return [CpuPlatform()]
+    return [CpuPlatform(default_runtime())]
+
+
+def default_runtime() -> str:
+    """Paddle where it is installed, else torch where that is (fd-core installs neither unless
+    asked: ``fd-core[paddle]`` or ``fd-core[torch]``), else Paddle, whose absence the
+    platform then reports."""
+    for runtime in CpuPlatform.runtimes:
+        if runtime_installed(runtime):
+            return runtime
+    return CpuPlatform.runtime
 
 
 @hookimpl

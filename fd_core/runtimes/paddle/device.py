@@ -22,7 +22,9 @@ module imports paddle only inside the methods that use it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import replace
 from typing import Any, Iterable
 
@@ -122,6 +124,8 @@ class PaddleDevicePlatform:
         absent = device_nodes.missing(self.device_nodes, self.name)
         if absent:
             return 0, absent
+        if not _paddle_installed():
+            return 0, f"paddle is not installed; install {self.requirement}"
         try:
             count, why = self.probe()
         except Exception as exc:  # noqa: BLE001 - a broken paddle install must not stop fd backends
@@ -236,3 +240,8 @@ class PaddleCustomDevicePlatform(PaddleDevicePlatform):
             return self.not_built(paddle, f"the {self.paddle_device} custom device")
         count = int(paddle.base.core.get_custom_device_count(self.paddle_device))
         return (count, "") if count else self.no_device(paddle)
+
+
+def _paddle_installed() -> bool:
+    # a test's stand-in module may sit in sys.modules without a spec
+    return "paddle" in sys.modules or importlib.util.find_spec("paddle") is not None
