@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -15,6 +14,14 @@ import httpx
 
 API_KEY = "e2e-key"
 START_TIMEOUT_S = 180
+
+
+def plain_samples(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith("fd:") and set(sample.labels) <= {"model_name", "engine"}}
 
 
 class Server:
@@ -73,8 +80,9 @@ class Server:
         raise AssertionError("no engine-core child process found")
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(fd_[a-z_]+) ([0-9.e+-]+)$", text, re.M)}
+        """fd's samples labelled by nothing but the model and engine (``fd:num_requests_running``,
+        ``fd:e2e_request_latency_seconds_count``), by sample name."""
+        return plain_samples(httpx.get(self.url + "/metrics", timeout=10).text)
 
     def __enter__(self) -> "Server":
         return self

@@ -305,3 +305,32 @@ def test_prompt_logits_leave_the_prefix_cache_consistent(model_dir):
     assert llm.reset_prefix_cache() == 0  # already forgotten
     again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == before
+
+
+def test_outputs_carry_token_times_when_the_caller_times_them(model_dir):
+    """The core sends a request's queue and prefill time with its first token; the output
+    processor, given each step's arrival time, stamps the outputs with the first and latest
+    token time and each sequence's gap since its previous token."""
+    from fd_core.engine.output_processor import OutputProcessor
+
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4)
+    core = llm.engine.core
+    params = SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
+    ids = prompts(1)[0]
+    core.add_request("r", ids, params)
+    processor = OutputProcessor(core.tokenizer)
+    processor.add_request("r", None, ids, params)
+    outputs, step = [], 0
+    while core.has_unfinished_requests():
+        step += 1
+        results, _ = processor.process(core.step(), now=float(step))
+        outputs += results
+    first, *rest = outputs
+    m = first.metrics
+    assert m.first_token_time == m.last_token_time and m.inter_token_latencies == []
+    assert m.time_in_queue >= 0 and m.prefill_time > 0
+    assert [o.metrics.inter_token_latencies for o in rest] == [[1.0, 1.0]] * 3  # two sequences, 4 tokens each
+    assert all(o.metrics.first_token_time == m.first_token_time for o in rest)
+    assert rest[-1].finished and rest[-1].metrics.last_token_time == m.first_token_time + 3
+    offline = llm.generate([ids], params, use_tqdm=False)[0]
+    assert offline.metrics is None  # nobody times the offline API's steps

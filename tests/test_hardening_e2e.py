@@ -143,8 +143,8 @@ def test_an_abandoned_amplified_request_stops_at_once(server):
     deadline = time.monotonic() + 15
     while True:
         m = server.metrics()
-        if m["fd_num_requests_running"] == 0 and m["fd_num_requests_waiting"] == 0 \
-                and m["fd_kv_cache_free_blocks"] == m["fd_kv_cache_total_blocks"]:
+        if m["fd:num_requests_running"] == 0 and m["fd:num_requests_waiting"] == 0 \
+                and m["fd:kv_cache_free_blocks"] == m["fd:kv_cache_total_blocks"]:
             break
         assert time.monotonic() < deadline, f"still working on an abandoned request: {m}"
         time.sleep(0.1)
@@ -317,7 +317,7 @@ def test_a_frozen_engine_is_unhealthy_and_requests_time_out(tiny_model, tmp_path
                     r = await http.post(srv.url + "/v1/completions", json={"model": tiny_model, "prompt": "x"})
                     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
                     m = srv.metrics()
-                    assert m["fd_engine_report_age_seconds"] > 1
+                    assert m["fd:engine_report_age_seconds"] > 1
                     # the requests in flight end at --request-timeout, whatever the engine does
                     await asyncio.wait_for(asyncio.gather(*tasks), 20)
             finally:
@@ -336,7 +336,7 @@ def test_a_frozen_engine_is_unhealthy_and_requests_time_out(tiny_model, tmp_path
         assert r.status_code == 200, r.text
         # the aborted requests hold no KV blocks
         m = srv.metrics()
-        assert m["fd_kv_cache_free_blocks"] == m["fd_kv_cache_total_blocks"], m
+        assert m["fd:kv_cache_free_blocks"] == m["fd:kv_cache_total_blocks"], m
 
 
 # -- 8. a long prompt does not starve short requests ----------------------------------------------------
@@ -361,7 +361,7 @@ def test_a_short_request_behind_a_long_prompt_finishes_first(tmp_path):
         long = threading.Thread(target=complete, args=("long", [(7 * i) % 250 + 3 for i in range(4000)]))
         long.start()
         deadline = time.monotonic() + 30
-        while srv.metrics()["fd_num_requests_running"] < 1:
+        while srv.metrics()["fd:num_requests_running"] < 1:
             assert time.monotonic() < deadline and long.is_alive(), srv.log()
             time.sleep(0.01)
         complete("short", [5, 6, 7])

@@ -502,13 +502,14 @@ def test_prefix_cache_and_preemption_metrics(http):
     fake = http.fake
     assert (fake.queried_tokens, fake.hit_tokens) == (82, 32)
     expected = {
-        "fd_prefix_cache_queries_total": 82.0, "fd_prefix_cache_hits_total": 32.0,
-        "fd_prefix_cache_hit_rate": 32 / 82, "fd_prefix_cache_blocks": 2.0, "fd_prefix_cache_evictions_total": 0.0,
-        "fd_preemptions_swap_total": 0.0, "fd_preemptions_recompute_total": 0.0, "fd_num_requests_swapped": 0.0,
-        "fd_prompt_tokens_computed_total": 50.0,
+        "fd:prefix_cache_queries_total": 82.0, "fd:prefix_cache_hits_total": 32.0,
+        "fd:prefix_cache_blocks": 2.0, "fd:prefix_cache_evictions_total": 0.0,
+        "fd:num_preemptions_swap_total": 0.0, "fd:num_preemptions_recompute_total": 0.0,
+        "fd:num_requests_swapped": 0.0, "fd:prompt_tokens_computed_total": 50.0,
     }
+    labels = '{engine="0",model_name="fake-model"}'
     for name, value in expected.items():
-        (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(name + labels + " ")]
         assert float(line.split()[1]) == pytest.approx(value), line
         kind = "counter" if name.endswith("_total") else "gauge"
         assert f"# TYPE {name} {kind}" in text
@@ -646,19 +647,23 @@ def test_models_version_health_metrics(http):
     assert http.get("/health").status_code == 200
     chat(http, max_tokens=3)
     text = http.get("/metrics").text
-    for name in ("fd_num_requests_running", "fd_num_requests_waiting", "fd_kv_cache_usage_ratio",
-                 "fd_kv_cache_free_blocks 100.0", "fd_kv_cache_total_blocks 100.0", "fd_prompt_tokens_total",
-                 "fd_generation_tokens_total 3.0", "fd_time_to_first_token_seconds_bucket",
-                 "fd_time_per_output_token_seconds_bucket", "fd_e2e_request_latency_seconds_count",
-                 'fd_request_success_total{finished_reason="length",model_name="fake-model"} 1.0'):
+    labels = '{engine="0",model_name="fake-model"}'
+    for name in ("fd:num_requests_running", "fd:num_requests_waiting", "fd:kv_cache_usage_perc",
+                 "fd:kv_cache_free_blocks" + labels + " 100.0", "fd:kv_cache_total_blocks" + labels + " 100.0",
+                 "fd:prompt_tokens_total", "fd:generation_tokens_total" + labels + " 3.0",
+                 "fd:time_to_first_token_seconds_bucket", "fd:inter_token_latency_seconds_bucket",
+                 "fd:request_time_per_output_token_seconds_bucket", "fd:e2e_request_latency_seconds_count",
+                 'fd:request_success_total{engine="0",finished_reason="length",model_name="fake-model"} 1.0',
+                 'fd:request_success_total{engine="0",finished_reason="stop",model_name="fake-model"} 0.0'):
         assert name in text, name
 
 
 def test_two_apps_have_separate_metrics():
     with serve() as a, serve() as b:
         chat(a, max_tokens=1)
-        assert "fd_e2e_request_latency_seconds_count{model_name=\"fake-model\"} 1.0" in a.get("/metrics").text
-        assert 'fd_e2e_request_latency_seconds_count{model_name="fake-model"} 1.0' not in b.get("/metrics").text
+        count = 'fd:e2e_request_latency_seconds_count{engine="0",model_name="fake-model"}'
+        assert count + " 1.0" in a.get("/metrics").text
+        assert count + " 0.0" in b.get("/metrics").text
 
 
 def test_openapi_documents_both_endpoints(http):
@@ -805,7 +810,7 @@ def test_a_silent_engine_is_stalled_not_dead():
         error = assert_error(http.get("/health"), 503, code="engine_unavailable")
         assert "not reported for 4 s" in error["message"] or "not reported for 3 s" in error["message"]
         assert_error(complete(http), 503, code="engine_unavailable")
-        assert "fd_engine_report_age_seconds" not in http.get("/metrics").text  # the fake does not report it
+        assert "fd:engine_report_age_seconds" not in http.get("/metrics").text  # the fake does not report it
         assert not http.app.state.monitor.dead.is_set()  # a stall is not a death: the server stays up
         age[0] = 0.1
         assert http.get("/health").status_code == 200 and complete(http).status_code == 200

@@ -273,7 +273,7 @@ class AsyncEngineClient:
             if isinstance(msg, StepOutputs):
                 self._stats = msg.stats
                 if msg.outputs:
-                    self._on_outputs(msg.outputs)
+                    self._on_outputs(msg.outputs, self._last_report)
             elif isinstance(msg, Failed):
                 if msg.request_id is None:
                     self._die(f"the engine core failed: {msg.error_type}: {msg.message}")
@@ -283,14 +283,15 @@ class AsyncEngineClient:
                     self._forget(stream, abort_in_core=False)
                     stream.queue.put_nowait(errors.rebuild(msg.error_type, msg.message, BackendError))
 
-    def _on_outputs(self, wire_outputs) -> None:
+    def _on_outputs(self, wire_outputs, received: float) -> None:
         outputs = []
         for w in wire_outputs:
             stream = self._by_wire_id.get(w.request_id)
             if stream is not None:  # else it was aborted here while the core computed it
                 outputs.append(CoreOutput(stream.request_id, w.index, w.token_id, w.logprob, w.rank,
-                                          w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens))
-        results, stopped = self._processor.process(outputs)
+                                          w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens,
+                                          w.time_in_queue, w.prefill_time))
+        results, stopped = self._processor.process(outputs, now=received)
         for request_id, index in stopped:  # stop strings end sequences on this side
             self._send(Abort(self._streams[request_id].wire_id, index), quiet=True)
         for result in results:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,10 @@ class CoreOutput:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (the same every step)
+    # on a sequence's first token: seconds it waited before it was first scheduled, and from then
+    # to this token (the core's clock; the front end's latency metrics cannot see these events)
+    time_in_queue: float | None = None
+    prefill_time: float | None = None
 
 
 @dataclass
@@ -263,12 +268,13 @@ class EngineCore:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
         seqs = []
+        now = time.monotonic()
         for i in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids), request_id=request_id, index=i,
                 prompt_token_ids=token_ids, params=params,
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
-                max_tokens=max_tokens, cache_salt=cache_salt,
+                max_tokens=max_tokens, cache_salt=cache_salt, queued_at=now,
             )
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
@@ -354,7 +360,8 @@ class EngineCore:
         return self._apply(flight.launched.sampled, pending.result() if pending else None, flight.slots)
 
     def _account_step(self, out: SchedulerOutput) -> None:
-        """Count the step's prompt tokens, and refuse to run it past the engine's limits: its
+        """Count the step's prompt tokens, note when a sequence is first scheduled (a sequence
+        with prompt left to compute), and refuse to run it past the engine's limits: its
         tokens plus the rows of the forks it seats within the budget, the running sequences
         plus those forks (and so the rows it samples) within max_num_seqs. The scheduler never
         builds such a step (``tests/test_scheduler_properties.py``); this catches a regression
@@ -364,6 +371,8 @@ class EngineCore:
             prompt = len(s.seq.prompt_token_ids)
             if s.seq.num_computed < prompt:
                 computed += min(s.seq.num_computed + s.num_new, prompt) - s.seq.num_computed
+                if s.seq.scheduled_at is None:
+                    s.seq.scheduled_at = time.monotonic()
         self.stats["prompt_tokens_computed"] += computed
         tokens, forks = out.num_tokens, out.num_forks
         c, running = self.config, len(self.scheduler.running)
@@ -407,6 +416,9 @@ class EngineCore:
             top = list(zip(top_ids[row][:k], top_logprobs[row][:k])) if k else []
             output = CoreOutput(seq.request_id, seq.index, token, logprobs[row], ranks[row], top,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
+            if count == 1 and seq.scheduled_at is not None:
+                output.time_in_queue = seq.scheduled_at - seq.queued_at
+                output.prefill_time = time.monotonic() - seq.scheduled_at
             if (token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count)

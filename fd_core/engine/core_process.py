@@ -90,6 +90,8 @@ class WireOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None
     stop_reason: int | None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this sequence
+    time_in_queue: float | None = None  # on a sequence's first token (CoreOutput says what)
+    prefill_time: float | None = None
 
 
 class Stats(msgspec.Struct, array_like=True):
@@ -231,7 +233,7 @@ def _stats(core) -> Stats:
 
 def _wire(o) -> WireOutput:
     return WireOutput(o.request_id, o.index, o.token_id, o.logprob, o.rank, o.top,
-                      o.finish_reason, o.stop_reason, o.num_cached_tokens)
+                      o.finish_reason, o.stop_reason, o.num_cached_tokens, o.time_in_queue, o.prefill_time)
 
 
 def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,

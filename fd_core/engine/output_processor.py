@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from fd_core.engine import detokenizer
 from fd_core.engine.core import CoreOutput
 from fd_core.engine.detokenizer import TextState
-from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fd_core.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.loader.tokenizer_api import Tokenizer
 
@@ -25,6 +30,7 @@ class _Output:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -35,6 +41,7 @@ class _Request:
     params: SamplingParams
     outputs: list[_Output]
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # when the caller times the outputs (``now``)
 
     @property
     def finished(self) -> bool:
@@ -65,13 +72,15 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def process(self, core_outputs: list[CoreOutput],
-                final_only: bool = False) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+    def process(self, core_outputs: list[CoreOutput], final_only: bool = False,
+                now: float | None = None) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """Apply one step's outputs. Returns the outputs of requests that changed (with
         ``final_only``, of requests that finished: a caller that waits for whole results skips
         a snapshot per request per step), and the ``(request_id, index)`` sequences a stop
-        string ended, which the core must abort."""
+        string ended, which the core must abort. ``now``: when the step's outputs arrived
+        (``time.monotonic()``); given, each output carries ``RequestMetrics``."""
         touched: dict[str, _Request] = {}
+        gaps: dict[str, list[float]] = {}
         to_abort: list[tuple[str, int]] = []
         for co in core_outputs:
             request = self.requests.get(co.request_id)
@@ -82,6 +91,8 @@ class OutputProcessor:
                 continue
             if co.index == 0:
                 request.num_cached_tokens = co.num_cached_tokens
+            if now is not None:
+                self._time(request, out, co, now, gaps)
             state = out.state
             state.output_token_ids.append(co.token_id)
             out.cumulative_logprob += co.logprob
@@ -107,10 +118,22 @@ class OutputProcessor:
         for rid, request in touched.items():
             finished = request.finished
             if finished or not final_only:
-                results.append(self._snapshot(request, finished))
+                results.append(self._snapshot(request, finished, gaps.get(rid)))
             if finished:
                 self.requests.pop(rid, None)
         return results, to_abort
+
+    @staticmethod
+    def _time(request: _Request, out: _Output, co: CoreOutput, now: float, gaps: dict[str, list[float]]) -> None:
+        m = request.metrics
+        if m is None:
+            m = request.metrics = RequestMetrics(first_token_time=now)
+        m.last_token_time = now
+        if co.time_in_queue is not None and m.time_in_queue is None:
+            m.time_in_queue, m.prefill_time = co.time_in_queue, co.prefill_time
+        if out.last_token_time is not None:
+            gaps.setdefault(co.request_id, []).append(now - out.last_token_time)
+        out.last_token_time = now
 
     def _logprobs(self, co: CoreOutput) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
@@ -121,7 +144,8 @@ class OutputProcessor:
         return entry
 
     @staticmethod
-    def _snapshot(request: _Request, finished: bool | None = None) -> RequestOutput:
+    def _snapshot(request: _Request, finished: bool | None = None,
+                  gaps: list[float] | None = None) -> RequestOutput:
         outs = [
             CompletionOutput(
                 index=i, text=o.state.text, token_ids=list(o.state.output_token_ids),
@@ -132,5 +156,8 @@ class OutputProcessor:
             for i, o in enumerate(request.outputs)
         ]
         finished = request.finished if finished is None else finished
+        m = request.metrics
+        metrics = None if m is None else RequestMetrics(m.first_token_time, m.last_token_time, m.time_in_queue,
+                                                        m.prefill_time, gaps or [])
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             finished, request.num_cached_tokens)
+                             finished, request.num_cached_tokens, metrics)

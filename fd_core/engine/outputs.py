@@ -27,6 +27,21 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request's tokens arrived, for latency metrics. Times are ``time.monotonic()`` of
+    the process reading the outputs (the engine client's); durations are seconds, measured by the
+    engine core on its own clock. ``None``: not yet, or not known."""
+
+    first_token_time: float | None = None  # the request's first token arrived
+    last_token_time: float | None = None  # the step that produced this output's newest tokens arrived
+    time_in_queue: float | None = None  # the core held the request before it first scheduled it
+    prefill_time: float | None = None  # from that scheduling to the first token, in the core
+    # this output only (not cumulative): for each sequence that got a token after its first one,
+    # the seconds since its previous token arrived
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -34,3 +49,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None  # set by the engine client of ``fd serve``; None offline

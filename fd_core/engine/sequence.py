@@ -52,6 +52,9 @@ class Sequence:
     host_blocks: list[int] = field(default_factory=list)  # while SWAPPED
     forks: list[Sequence] = field(default_factory=list, repr=False)  # siblings awaiting the prompt
     fork_of: Sequence | None = field(default=None, repr=False)
+    # time.monotonic() in the core when it was queued and first scheduled, for the latency metrics
+    queued_at: float = 0.0
+    scheduled_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -173,7 +173,7 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
     max_concurrency = limits.max_concurrency
     metrics = ServerMetrics(client, served_model_name)
     monitor = EngineMonitor(client, max_concurrency, on_finished=metrics.observe,
-                            heartbeat_timeout=limits.heartbeat_timeout)
+                            heartbeat_timeout=limits.heartbeat_timeout, on_output=metrics.on_output)
     pool = concurrent.futures.ThreadPoolExecutor(limits.tokenizer_pool_size, thread_name_prefix="fd-tokenize")
     ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, pool=pool,
                         max_sequences_per_request=limits.max_sequences_per_request,

@@ -35,10 +35,12 @@ class EngineMonitor:
 
     def __init__(self, client: Any, max_concurrency: int | None = None,
                  on_finished: Callable[["RequestStream"], None] | None = None,
-                 heartbeat_timeout: float | None = None) -> None:
+                 heartbeat_timeout: float | None = None,
+                 on_output: Callable[[RequestStream, RequestOutput, bool], None] | None = None) -> None:
         self.client = client
         self.max_concurrency = max_concurrency
-        self.on_finished = on_finished
+        self.on_finished = on_finished  # a request finished normally
+        self.on_output = on_output  # each output of a request, and whether it brought its first token
         self.heartbeat_timeout = heartbeat_timeout or None
         self.dead = asyncio.Event()
         self.dead_reason = ""
@@ -145,6 +147,8 @@ class RequestStream:
         self.cache_salt = cache_salt
         self.notify = notify
         self.arrival = arrival
+        # time.monotonic(): when the engine client received the first and the last token (when
+        # the pump did, for a client that does not time its outputs)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.latest: RequestOutput | None = None
@@ -155,16 +159,21 @@ class RequestStream:
     async def _pump(self) -> None:
         client = self.monitor.client
         try:
+            last_token_at = None
             async for output in client.generate(self.request_id, self.prompt_token_ids, self.params,
                                                 prompt_text=self.prompt_text, cache_salt=self.cache_salt):
-                if self.first_token_at is None and any(o.token_ids for o in output.outputs):
-                    self.first_token_at = time.monotonic()
+                m = output.metrics
+                last_token_at = m.last_token_time if m is not None else time.monotonic()
+                first = self.first_token_at is None and any(o.token_ids for o in output.outputs)
+                if first:
+                    self.first_token_at = m.first_token_time if m is not None else last_token_at
                 self.latest = output
+                self._report(self.monitor.on_output, output, first)
                 self.notify.set()
             if self.latest is None or not self.latest.finished:
                 raise RuntimeError(f"the engine ended request {self.request_id} without finishing it")
-            self.finished_at = time.monotonic()
-            self._report()
+            self.finished_at = last_token_at
+            self._report(self.monitor.on_finished)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as exc:
@@ -177,11 +186,11 @@ class RequestStream:
             self.monitor.streams.discard(self)
             self.notify.set()
 
-    def _report(self) -> None:
-        if self.monitor.on_finished is None:
+    def _report(self, callback: Callable[..., None] | None, *args: Any) -> None:
+        if callback is None:
             return
         try:
-            self.monitor.on_finished(self)
+            callback(self, *args)
         except Exception:  # metrics must never fail a request that succeeded
             log.exception("recording metrics for %s failed", self.request_id)
 
