@@ -20,7 +20,11 @@ class CheckpointError(FdError, ValueError):
 
 
 class InvalidRequestError(FdError, ValueError):
-    """A request or its sampling parameters are invalid."""
+    """A request or its sampling parameters are invalid; ``param``, where known, names the field."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

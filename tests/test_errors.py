@@ -75,7 +75,7 @@ def test_bad_token_ids(small_llm):
     ({"n": 129}, "n must be an integer in"),
     ({"min_tokens": 2**31}, "min_tokens"),
     ({"max_tokens": 2**64}, "max_tokens"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"stop_token_ids": [2**63]}, "stop_token_ids"),
     ({"stop_token_ids": list(range(1025))}, "at most 1024"),
     ({"stop": ["x"] * 65}, "at most 64 strings"),

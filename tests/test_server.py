@@ -561,7 +561,7 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [1, 99999]}, "prompt"),
     ({"prompt": [1.5]}, None),
-    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),  # over the default --max-logprobs (20)
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": ["ok", [1] * 70]}, "prompt.1"),

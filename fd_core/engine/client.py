@@ -189,7 +189,7 @@ class AsyncEngineClient:
 
     def check_params(self, params: SamplingParams) -> None:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
-        check_params(params, self.vocab_size)
+        check_params(params, self.vocab_size, self.config.max_logprobs)
 
     def report_age(self) -> float:
         """Seconds since the core last reported: it does after every step and, when idle, every

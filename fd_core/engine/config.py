@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fd_core.engine.sampling_params import MAX_LOGPROBS
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
 from fd_core.quantization.kv_cache import KV_QUANTIZED
@@ -48,7 +49,7 @@ class EngineConfig:
     model: str
     device: str = "auto"
     runtime: str | None = None  # the tensor library to run on (--runtime); None: the platform's default
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the platform's default_dtype, else its fastest (auto_dtype)
     max_model_len: int | None = None  # default: the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -73,6 +74,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
     # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
     async_scheduling: bool | None = None
+    tokenizer: str | None = None  # another folder or .gguf to take the tokenizer from (--tokenizer)
+    chat_template: str | None = None  # a template file, or the template itself (--chat-template)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs a request may ask for (--max-logprobs)
 
     @property
     def cache_dtype(self) -> str:
@@ -121,15 +125,30 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             accepted = ", ".join([*KV_CACHE_DTYPES, *(f"{a} (= {d})" for a, d in KV_CACHE_ALIASES.items())])
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: accepted values are {accepted}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.chat_template is not None:
+            from fd_core.loader.chat_template import (
+                read_chat_template,  # the loader is heavy for `fd backends`
+            )
+
+            try:
+                self.chat_template = read_chat_template(self.chat_template)
+            except ValueError as e:
+                raise ConfigError(f"--chat-template: {e}") from None
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def check_against(self, backend: str, caps: Capabilities,
-                      other_runtimes: dict[str, Capabilities] | None = None) -> None:
+                      other_runtimes: dict[str, Capabilities] | None = None,
+                      default_dtype: str | None = None) -> None:
         """Check the config against the backend's manifest — failing with one sentence naming
         the flag and the backend, before anything loads — and fill in the feature defaults
         that depend on it. ``other_runtimes``: the manifests of the backend's other runtimes
-        (``--runtime``), named where one of them would serve what this one cannot."""
+        (``--runtime``), named where one of them would serve what this one cannot;
+        ``default_dtype``: the platform's choice for ``--dtype auto``."""
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(caps, default_dtype)
         if self.dtype not in caps.dtypes:
             raise ConfigError(f"--dtype {self.dtype}: the {backend} backend supports {sorted(caps.dtypes)}")
         if self.dtype not in caps.kv_cache_dtypes:  # the KV cache is kept in the model's dtype
@@ -192,3 +211,19 @@ class EngineConfig:
             self.max_num_batched_tokens = budget if self.enable_chunked_prefill else max(budget, max_model_len)
         if self.long_prefill_token_threshold is None:
             self.long_prefill_token_threshold = (platform_threshold or 0) if self.enable_chunked_prefill else 0
+
+
+# --dtype auto where the platform names no default_dtype: the narrowest float it computes and
+# keeps a KV cache in, as vLLM's auto serves a GPU in 16 bits
+AUTO_DTYPE_ORDER = ("bfloat16", "float16", "float32")
+
+
+def auto_dtype(caps: Capabilities, default_dtype: str | None = None) -> str:
+    """What ``--dtype auto`` means on a backend with manifest ``caps``."""
+    usable = caps.dtypes & caps.kv_cache_dtypes
+    if default_dtype in usable:
+        return default_dtype
+    for dtype in AUTO_DTYPE_ORDER:
+        if dtype in usable:
+            return dtype
+    return min(caps.dtypes) if caps.dtypes else "float32"

@@ -26,7 +26,7 @@ from fd_core.engine.config import (
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import load_runner, open_checkpoint
 from fd_core.engine.model_runner import PLACEHOLDER, Launched
-from fd_core.engine.sampling_params import SamplingParams
+from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.swap import SwapSpace
@@ -96,12 +96,17 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
         )
 
 
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """Reject sampling parameters that name tokens the model does not have (SamplingParams
-    cannot check this itself: it does not know the vocabulary)."""
+def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """Reject sampling parameters that name tokens the model does not have, or ask for more
+    logprobs than the engine allows (SamplingParams cannot check these: it knows neither the
+    vocabulary nor --max-logprobs)."""
     bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
     if bad:
-        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}")
+        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}",
+                                  param="stop_token_ids")
+    if params.logprobs is not None and params.logprobs > min(max_logprobs, vocab_size):
+        raise InvalidRequestError(f"logprobs {params.logprobs} is more than this engine returns: at most "
+                                  f"{min(max_logprobs, vocab_size)} (--max-logprobs)", param="logprobs")
 
 
 def check_cache_salt(salt: object) -> None:
@@ -125,7 +130,8 @@ def select_platform(config: EngineConfig, platform: Platform | None = None, regi
                 else registry.platform(config.device, config.runtime))
     others = {name: platform.with_runtime(name).capabilities()
               for name in getattr(platform, "runtimes", ()) if name != getattr(platform, "runtime", None)}
-    config.check_against(platform.name, platform.capabilities(), others)
+    config.check_against(platform.name, platform.capabilities(), others,
+                         default_dtype=getattr(platform, "default_dtype", None))
     return platform
 
 
@@ -261,7 +267,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
-        check_params(params, self.model_config.vocab_size)
+        check_params(params, self.model_config.vocab_size, self.config.max_logprobs)
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         room = self.max_model_len - len(token_ids)

@@ -17,12 +17,19 @@ def open_checkpoint(config: EngineConfig) -> Any:
     and tokenizer with random weights, the linears already in ``--quantization``'s form."""
     from fd_core.loader import load_checkpoint, resolve_model
     from fd_core.loader.dummy import load_dummy
+    from fd_core.loader.formats import load_tokenizer
 
     path = resolve_model(config.model)
     if config.load_format == "dummy":
         method = None if config.quantization is None else (config.quantization, config.quantization_group_size)
-        return load_dummy(path, method)
-    return load_checkpoint(path)
+        checkpoint = load_dummy(path, method)
+    else:
+        checkpoint = load_checkpoint(path)
+    if config.tokenizer is not None:
+        checkpoint.tokenizer = load_tokenizer(resolve_model(config.tokenizer))
+    if config.chat_template is not None:  # validate() read and compiled it
+        checkpoint.tokenizer.chat_template = config.chat_template
+    return checkpoint
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,

@@ -14,7 +14,7 @@ _GREEDY_BELOW = 1e-5
 # values into int64 arrays and msgpack carries at most 64 bits, so an unbounded integer would
 # fail inside a step instead of at the door.
 MAX_N = 128  # choices per request: enough for any sampling recipe, bounded so one call cannot flood the engine
-MAX_LOGPROBS = 20  # as OpenAI and vLLM's default --max-logprobs
+MAX_LOGPROBS = 20  # the default --max-logprobs, as vLLM's
 MAX_SEED = 2**63 - 1  # int64, vLLM's bound too
 MAX_INT = 2**31 - 1  # top_k, max_tokens, min_tokens, token ids: far past any vocabulary or context
 MAX_STOP = 64  # stop strings per request
@@ -103,7 +103,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+            integer("logprobs", self.logprobs, 0)  # the engine's --max-logprobs caps it (core.check_params)
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

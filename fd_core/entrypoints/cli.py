@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any, Sequence
 
 from fd_core import __version__
 from fd_core.engine.config import LOAD_FORMATS
+from fd_core.engine.sampling_params import MAX_LOGPROBS
 from fd_core.interfaces import API_VERSION
 
 
@@ -117,6 +119,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
         head_dim = load_checkpoint(resolve_model(args.model)).config.head_dim
     # as an engine chooses: linear and pack_linear once more for each quantization method declared
+    if args.dtype == "auto":
+        from fd_core.engine.config import auto_dtype
+
+        args.dtype = auto_dtype(platform.capabilities(), getattr(platform, "default_dtype", None))
     table = registry.op_table(platform, op_context(args.dtype, head_dim), _pins(args.op),
                               methods=platform.capabilities().quantization)
     others = [rt for rt in platform_runtimes(platform) if rt != platform.runtime]
@@ -157,9 +163,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(see fd backends)")
     p.add_argument("--runtime", default=None,
                    help="tensor library to run on, e.g. paddle or torch (default: the backend's; see fd backends)")
-    p.add_argument("--dtype", default="float32",
-                   help="float32, float16 or bfloat16: weights and activations; the backend must declare it "
-                        "(default: float32)")
+    p.add_argument("--dtype", default="auto", type=_dtype,
+                   help="auto, float32 (float), float16 (half) or bfloat16: weights and activations; the "
+                        "backend must declare it (default: auto, the backend's choice: float32 on the CPU, "
+                        "bfloat16 on a GPU that has it)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt plus output, in tokens (default: the model's context length)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64,
@@ -177,7 +184,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of device memory for weights + KV cache (backends that profile memory)")
     p.add_argument("--kv-cache-memory-gb", type=_positive_number, default=None,
                    help="KV-cache size in GiB (default: profiled where the backend can, else 2)")
-    p.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact KV-cache size in blocks")
+    p.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
+                   help="exact KV-cache size in blocks (FastDeploy's and vLLM's --num-gpu-blocks-override)")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                    help="ranks to split the model over, one process each (default: 1)")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -208,6 +216,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", type=_non_negative, default=0.0, metavar="GB",
                    help="host memory for KV blocks of preempted requests; 0 recomputes them instead")
     p.add_argument("--seed", type=_count, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder (tokenizer.json or tokenizer.model) or .gguf to take the tokenizer from "
+                        "(default: the model's own)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template file, or the template itself, used instead of the model's")
+    p.add_argument("--max-logprobs", type=_count, default=MAX_LOGPROBS,
+                   help=f"the most logprobs a request may ask for (default: {MAX_LOGPROBS})")
+    # FastDeploy's flags that set up what fd does without being told: accepted so its launch
+    # scripts start, each with a line saying why it changes nothing (engine_config)
+    p.add_argument("--load-choices", choices=("default", "default_v1"), default=None,
+                   help="FastDeploy's loader choice; fd has one loader, which streams weights (no effect)")
+    p.add_argument("--use-cudagraph", action="store_true",
+                   help="FastDeploy's switch for CUDA graphs; fd captures them wherever the backend can "
+                        "unless --enforce-eager (no effect)")
+    p.add_argument("--engine-worker-queue-port", "--cache-queue-port", type=_port, default=None, metavar="PORT",
+                   help="FastDeploy's inter-process ports; fd's processes talk over local pipes and "
+                        "sockets it picks itself (no effect)")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
 
 
@@ -224,6 +249,15 @@ def _model(args: argparse.Namespace) -> str:
 
 def engine_config(args: argparse.Namespace):
     from fd_core.engine.config import EngineConfig
+    from fd_core.errors import ConfigError
+
+    if args.use_cudagraph and args.enforce_eager:
+        raise ConfigError("--use-cudagraph asks for CUDA graphs and --enforce-eager for none; give one")
+    for flag, value in (("--load-choices", args.load_choices), ("--use-cudagraph", args.use_cudagraph or None),
+                        ("--engine-worker-queue-port", args.engine_worker_queue_port)):
+        if value is not None:
+            logging.getLogger("fd").warning("%s: accepted for FastDeploy's scripts; it changes nothing in fd "
+                                            "(see fd serve --help)", flag)
 
     return EngineConfig(
         model=_model(args), device=args.device, runtime=args.runtime, dtype=args.dtype,
@@ -238,6 +272,7 @@ def engine_config(args: argparse.Namespace):
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
+        tokenizer=args.tokenizer, chat_template=args.chat_template, max_logprobs=args.max_logprobs,
     )
 
 
@@ -250,7 +285,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None, heartbeat_timeout=args.heartbeat_timeout or None,
         tokenizer_pool_size=args.tokenizer_pool_size)
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 api_key=args.api_key, limits=limits)
+                 api_key=args.api_key, limits=limits, metrics_port=args.metrics_port)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -318,6 +353,11 @@ _fraction = _within(_number, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 _seconds = _within(_number, lambda v: v >= 0, "a finite number of seconds >= 0")
 
 
+def _dtype(text: str) -> str:
+    """vLLM's spellings of --dtype: ``half`` and ``float`` besides the names."""
+    return {"half": "float16", "float": "float32"}.get(text, text)
+
+
 def _pins(items: Sequence[str] | None) -> dict[str, str]:
     pins = {}
     for item in items or []:
@@ -359,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="show which implementation of each op a device would use")
     p.add_argument("--device", default="auto", help="the backend to ask (default: auto, as fd serve picks it)")
     p.add_argument("--runtime", default=None, help="tensor library to run on (default: the backend's)")
-    p.add_argument("--dtype", default="float32", help="the model dtype the table is chosen for (default: float32)")
+    p.add_argument("--dtype", default="auto", type=_dtype,
+                   help="the model dtype the table is chosen for (default: auto, as fd serve picks it)")
     p.add_argument("--model", default=None,
                    help="choose as an engine serving this model would (its head size); default: any model")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
@@ -384,7 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it: the same as --model")
     add_engine_args(p)
-    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use; any of them is accepted, responses carry the first "
+                        "(default: the model)")
+    p.add_argument("--metrics-port", type=_port, default=None,
+                   help="also serve /metrics on this port, as FastDeploy does (default: only on --port)")
     p.add_argument("--host", default="0.0.0.0",
                    help="address to listen on (default: 0.0.0.0, every interface; 127.0.0.1 for this machine only)")
     p.add_argument("--port", type=_port, default=8180, help="1-65535, or 0 for any free port (default 8180)")

@@ -34,6 +34,11 @@ class Platform(Protocol):
     # prompt starts within a step or two. None or 0: no cap.
     # default_long_prefill_token_threshold: int | None
     #
+    # Optional (API 1.9): the dtype ``--dtype auto`` (the default) runs in. Absent, auto is the
+    # narrowest of bfloat16, float16, float32 that ``capabilities()`` declares for both
+    # ``dtypes`` and ``kv_cache_dtypes`` (fd_core.engine.config.auto_dtype).
+    # default_dtype: str
+    #
     # Optional (API 1.2): a platform that can run on more than one runtime lists them,
     # ``runtimes = ("paddle", "torch")``, its default (``runtime``) first; absent means
     # ``(runtime,)``. It then also implements ``with_runtime(name) -> Platform``: a copy bound

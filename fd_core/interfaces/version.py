@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.8.0"
+API_VERSION = "1.9.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -26,6 +26,7 @@ API_VERSION = "1.8.0"
 # 1.7: moe's expert_offset (--enable-expert-parallel: a rank's experts are a contiguous share)
 # 1.8: the optional pack_experts op, paired with moe by name (a backend's stacked expert form,
 #      made once at load)
+# 1.9: Platform.default_dtype (optional): what --dtype auto (now the default) means there
 
 
 def _parse(version: str) -> tuple[int, int, int]:

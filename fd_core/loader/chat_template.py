@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -124,3 +125,21 @@ def render_chat_template(
         raise CheckpointError(f"The model's chat template does not parse: {exc}.") from exc
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequestError(f"The model's chat template rejected this conversation: {exc}.") from exc
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: the file ``value`` names, or ``value`` itself as a template (vLLM
+    takes both). A ValueError says why it is neither."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from None
+    elif "{" not in value:  # no Jinja in it: a file name that is not there
+        raise ValueError(f"no file {value}, and not a template either (no {{% or {{{{ in it)")
+    try:
+        _compile(value)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"not a valid Jinja template: {e}") from None
+    return value

@@ -7,6 +7,7 @@ from pathlib import Path
 from fd_core.errors import ModelNotFoundError
 from fd_core.loader import gguf_loader, hf_loader, paddle_loader
 from fd_core.loader.checkpoint import Checkpoint
+from fd_core.loader.tokenizer_api import Tokenizer
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -36,3 +37,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         names = ", ".join(file.name for file in ggufs)
         raise ModelNotFoundError(f"{path} holds several GGUF files ({names}); pass the one to load.")
     raise ModelNotFoundError(f"{path} holds no model: no config.json and no .gguf file.")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer alone (``--tokenizer``): from a GGUF file, or from a folder holding
+    ``tokenizer.json`` or ``tokenizer.model`` (with its ``config.json`` for EOS ids, if any)."""
+    path = Path(path).expanduser()
+    if path.is_file() or not (path / "config.json").is_file() and list(path.glob("*.gguf")):
+        return load_checkpoint(path).tokenizer  # GGUF: the weights are read lazily, never here
+    config = hf_loader.read_optional_json(path / "config.json")
+    generation = hf_loader.read_optional_json(path / "generation_config.json")
+    return hf_loader.load_tokenizer(path, config, generation)

@@ -1,6 +1,8 @@
 """Turning what a user typed (a folder, a .gguf file or a known model name) into a local path.
 
-Nothing is downloaded: known names point at model files that pip packages install.
+Nothing is downloaded: known names point at model files that pip packages install, and a
+Hugging Face repo id (``org/name``) is looked up in the local Hugging Face cache only
+(``huggingface_hub``, ``local_files_only``; ``HF_HOME`` / ``HF_HUB_CACHE`` say where it is).
 """
 
 from __future__ import annotations
@@ -50,8 +52,29 @@ def resolve_model(name_or_path: str) -> Path:
     known = KNOWN_MODELS.get(name_or_path.strip().lower())
     if known is not None:
         return _packaged_file(name_or_path, *known)
+    cached, where = _hf_cached(name_or_path.strip())
+    if cached is not None:
+        return cached
     names = ", ".join(sorted({DEFAULT_MODEL, "SmolLM2-135M-Instruct", "smollm2"}))
     raise ModelNotFoundError(
-        f"No local model at {name_or_path!r}: give a model folder, a .gguf file or a known name ({names}); "
-        "fd does not download models."
+        f"No local model at {name_or_path!r}: give a model folder, a .gguf file, a known name ({names}) "
+        f"or a Hugging Face repo id already in the cache{where}; fd does not download models "
+        "(hf download ORG/NAME does)."
     )
+
+
+def _hf_cached(repo_id: str) -> tuple[Path | None, str]:
+    """The snapshot of ``repo_id`` in the local Hugging Face cache, and for the error where the
+    cache was looked for."""
+    if repo_id.count("/") != 1:
+        return None, ""
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:
+        return None, ""
+    where = f" ({constants.HF_HUB_CACHE})"
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True)), where
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None, where

@@ -37,7 +37,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,6 +50,7 @@ from fd_server import chat, completions, errors
 from fd_server.errors import APIError, engine_unavailable
 from fd_server.limits import MAX_BODY_BYTES, ServerLimits
 from fd_server.metrics import CONTENT_TYPE, ServerMetrics
+from fd_server.params import model_not_found
 from fd_server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -163,19 +164,22 @@ def _exact_numbers(documented: Any, exact: Any) -> None:
             _exact_numbers(a, b)
 
 
-def build_app(client: Any, served_model_name: str, api_key: str | None = None,
+def build_app(client: Any, served_model_name: str | Sequence[str], api_key: str | None = None,
               limits: ServerLimits | None = None) -> FastAPI:
-    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``.
+    """The app serving ``client`` under the model name ``served_model_name`` (or several names,
+    any of which a request may ask for; responses and metrics carry the first), within ``limits``.
 
     ``app.state.monitor.dead`` is an ``asyncio.Event`` set when the engine dies; whoever runs
     the app (``fd_server.launch``) exits after the grace period."""
     limits = limits or ServerLimits()
     max_concurrency = limits.max_concurrency
+    names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+    served_model_name = names[0]
     metrics = ServerMetrics(client, served_model_name)
     monitor = EngineMonitor(client, max_concurrency, on_finished=metrics.observe,
                             heartbeat_timeout=limits.heartbeat_timeout, on_output=metrics.on_output)
     pool = concurrent.futures.ThreadPoolExecutor(limits.tokenizer_pool_size, thread_name_prefix="fd-tokenize")
-    ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, pool=pool,
+    ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, model_names=names, pool=pool,
                         max_sequences_per_request=limits.max_sequences_per_request,
                         request_timeout=limits.request_timeout or None)
 
@@ -230,21 +234,19 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return await generate(completions.create, body, request)
 
-    def card() -> ModelCard:
+    def card(name: str) -> ModelCard:
         config = getattr(client, "config", None)
-        return ModelCard(id=served_model_name, root=getattr(config, "model", None),
-                         max_model_len=client.max_model_len)
+        return ModelCard(id=name, root=getattr(config, "model", None), max_model_len=client.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(name) for name in names])
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses={404: _ERRORS[404]})
     async def model(model: str) -> ModelCard:
-        if model != served_model_name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves {served_model_name!r}.",
-                           param="model", code="model_not_found")
-        return card()
+        if model not in names:
+            raise model_not_found(model, names)
+        return card(model)
 
     @app.get("/health", responses={200: {"description": "The engine is healthy"}, 503: _ERRORS[503]})
     async def health() -> Response:

@@ -40,7 +40,7 @@ from fd_server.serving import (
 
 async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Any:
     arrival = time.monotonic()
-    P.check_model(body, ctx.model_name)
+    P.check_model(body, ctx.model_names)
     P.check_sequences(1, body.n, ctx.max_sequences_per_request)
     client = ctx.client
     prompt_text, prompt_ids = await ctx.offload(P.chat_prompt, body, ctx.tokenizer, client.max_model_len)
@@ -48,7 +48,8 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
     logprobs = P.chat_logprobs(body)
     sampling = P.sampling_params(
         client, body, prompt_len=len(prompt_ids),
-        max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs)
+        max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs,
+        logprobs_param="top_logprobs")
     batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout)
     batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:

@@ -41,7 +41,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 async def create(ctx: ServerContext, body: CompletionRequest, request: Request) -> Any:
     arrival = time.monotonic()
-    P.check_model(body, ctx.model_name)
+    P.check_model(body, ctx.model_names)
     client = ctx.client
     prompts = await ctx.offload(P.completion_prompts, body, ctx.tokenizer, client.max_model_len,
                                 ctx.max_sequences_per_request)

@@ -13,6 +13,7 @@ last are found before the engine process starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import ipaddress
@@ -22,12 +23,12 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from fd_core.engine.config import EngineConfig
 from fd_core import errors
+from fd_core.engine.config import EngineConfig
 from fd_core.errors import ConfigError
-
 from fd_server.limits import ServerLimits
 
 log = logging.getLogger("fd_server")
@@ -37,15 +38,17 @@ GRACEFUL_SHUTDOWN_S = 20  # under Kubernetes' default 30 s termination grace
 ENGINE_SHUTDOWN_S = 30.0
 
 
-def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | None,
-          api_key: str | None, limits: ServerLimits | None = None) -> int:
-    """Run the server until it is stopped; returns the process exit status."""
+def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | Sequence[str] | None,
+          api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None) -> int:
+    """Run the server until it is stopped; returns the process exit status. ``metrics_port``:
+    a second port that serves /metrics alone (FastDeploy's --metrics-port)."""
     _configure_logging()
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
     limits = limits or ServerLimits()
     api_key = api_key or os.environ.get("FD_API_KEY") or None
-    name = served_model_name or engine_config.model
+    names = ([served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])) \
+        or [engine_config.model]
     _check_config(engine_config)
     # Bound before the engine loads (which can take minutes) so a taken port fails at once;
     # nothing listens on it until the engine is ready, so probes see a refused connection.
@@ -56,16 +59,26 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
         raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {why}; choose another --port "
                           f"(0 takes any free one) or stop what holds it") from None
     port = sock.getsockname()[1]  # the port given, or the one the system chose for --port 0
+    metrics_sock = None
+    if metrics_port is not None:
+        try:
+            metrics_sock = _bind(host, metrics_port)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"--metrics-port {metrics_port}: cannot listen on {host}:{metrics_port}: "
+                              f"{exc.strerror or exc}") from None
     if not api_key and not _is_loopback(host):
         log.warning("fd: listening on %s without --api-key: anyone who can reach this address can use the "
                     "server; set --api-key (or FD_API_KEY) or --host 127.0.0.1", host)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(_serve(engine_config, sock, host, port, name, api_key, limits))
+        return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, metrics_sock))
     except KeyboardInterrupt:
         return 130
     finally:
         sock.close()
+        if metrics_sock is not None:
+            metrics_sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -149,8 +162,8 @@ def _dead_exit_s() -> float:
         return DEFAULT_DEAD_EXIT_S
 
 
-async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, name: str,
-                 api_key: str | None, limits: ServerLimits) -> int:
+async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
+                 api_key: str | None, limits: ServerLimits, metrics_sock: socket.socket | None = None) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -180,7 +193,10 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
     exit_code = 0
     helpers: list[asyncio.Task[Any]] = []
     try:
-        app = build_app(client, name, api_key=api_key, limits=limits)
+        app = build_app(client, names, api_key=api_key, limits=limits)
+        name = names[0]
+        if metrics_sock is not None:
+            helpers.append(asyncio.ensure_future(_serve_metrics(app, metrics_sock)))
         config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
@@ -215,6 +231,30 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
         for task in helpers:
             task.cancel()
         await _shutdown(client)
+
+
+async def _serve_metrics(app: Any, sock: socket.socket) -> None:
+    """/metrics alone on ``sock`` until cancelled (when the main server stops)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from fd_server.metrics import CONTENT_TYPE
+
+    async def metrics(_request: Any) -> Response:
+        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    class Quiet(uvicorn.Server):
+        def capture_signals(self):  # the main server owns SIGINT/SIGTERM
+            return contextlib.nullcontext()
+
+    server = Quiet(uvicorn.Config(Starlette(routes=[Route("/metrics", metrics)]), log_level="warning",
+                                  lifespan="off"))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        server.should_exit = True
 
 
 async def _shutdown(client: Any) -> None:

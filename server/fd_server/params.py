@@ -8,20 +8,25 @@ gives one that does not fit beside the prompt, the request is refused (400,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError, PromptTooLongError
-
 from fd_server.errors import APIError, bad_request
 from fd_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
-def check_model(request: SamplingFields, served_model_name: str) -> None:
-    if request.model != served_model_name:
-        raise APIError(404, f"The model {request.model!r} does not exist; this server serves {served_model_name!r}.",
-                       param="model", code="model_not_found")
+def check_model(request: SamplingFields, served_model_names: Sequence[str]) -> None:
+    if request.model not in served_model_names:
+        raise model_not_found(request.model, served_model_names)
+
+
+def model_not_found(model: str, served_model_names: Sequence[str]) -> APIError:
+    names = " or ".join(repr(n) for n in served_model_names)
+    return APIError(404, f"The model {model!r} does not exist; this server serves {names}.",
+                    param="model", code="model_not_found")
 
 
 def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
@@ -39,8 +44,10 @@ def _unsupported(request: SamplingFields) -> None:
 
 
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
-                    max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit)."""
+                    max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
+                    logprobs_param: str = "logprobs") -> SamplingParams:
+    """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit);
+    ``logprobs_param``: the request field ``logprobs`` came from."""
     _unsupported(request)
     max_model_len = client.max_model_len
     room = max_model_len - prompt_len
@@ -66,9 +73,9 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
     except InvalidRequestError as exc:
         raise bad_request(str(exc)) from exc
     try:
-        client.check_params(params)  # the core's own check: token ids within the vocabulary
+        client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param="stop_token_ids") from exc
+        raise bad_request(str(exc), param=logprobs_param if exc.param == "logprobs" else exc.param) from exc
     return params
 
 

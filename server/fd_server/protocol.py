@@ -15,7 +15,6 @@ from pydantic_core import PydanticCustomError
 
 from fd_core.engine.sampling_params import (
     MAX_INT,
-    MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
     MAX_STOP,
@@ -156,7 +155,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # --max-logprobs caps it (client.check_params)
     tools: list[dict[str, Json]] | None = None
     tool_choice: Text | dict[str, Json] | None = None
     response_format: ResponseFormat | None = None
@@ -232,7 +231,7 @@ class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # as vLLM: --max-logprobs, not OpenAI's 5
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 

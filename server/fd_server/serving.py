@@ -43,11 +43,15 @@ class ServerContext:
 
     client: Any
     monitor: EngineMonitor
-    model_name: str
+    model_name: str  # the first served name: what responses carry, as in vLLM
     # tokenization and chat templates run here, off the event loop (see offload)
     pool: concurrent.futures.Executor
     max_sequences_per_request: int | None = None  # prompts × n of one request
     request_timeout: float | None = None  # seconds from arrival until a request is aborted
+    model_names: tuple[str, ...] = ()  # every name a request may ask for (--served-model-name a b)
+
+    def __post_init__(self) -> None:
+        self.model_names = self.model_names or (self.model_name,)
 
     @property
     def tokenizer(self) -> Any:

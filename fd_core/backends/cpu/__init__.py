@@ -26,6 +26,9 @@ class CpuPlatform:
     device_type = "cpu"
     runtime = "paddle"
     runtimes = ("paddle", "torch")
+    # --dtype auto: float32, which both runtimes compute exactly as the oracle tests check and in
+    # which this backend's figures are measured (torch also offers bfloat16, asked for by name)
+    default_dtype = "float32"
     # A step's length is the gap between two tokens of every stream it carries, and on these
     # compute-bound cores it grows with the step's tokens (~6.6 ms each; a 16-stream decode step
     # takes ~260 ms). At 48 tokens a step (decode rows included), nothing one request does —
