@@ -32,7 +32,7 @@ Flags chosen for llama_cpp.server (llama-cpp-python 0.3.x), and why
   --model_alias NAME          a short name in /v1/models instead of the file path.
   Requests carry min_tokens=output-len (which llama-cpp-python honours by masking EOS) so that
   outputs have the full length; ignore_eos and stream_options it ignores, so output tokens are
-  counted as content chunks (one token each).
+  counted by tokenizing the streamed text with the model's tokenizer.
 
 Flags for llama.cpp's C++ server (llama-server), when given: --parallel S --ctx-size S*CTX (with
 an explicit slot count the KV cache is not unified, so the context is split evenly and each slot
@@ -76,8 +76,8 @@ ROWS = (  # (label, key in the bench JSON, sub-key)
     ("ITL p99 ms", "itl_ms", "p99"),
     ("E2E p50 ms", "e2e_ms", "p50"),
     ("output tokens", "total_output_tokens", None),
-    # "chunks": the server sent no usage, so output tokens are content chunks and input tokens the
-    # requested word count (no chat template): input tok/s is then not comparable with "usage".
+    # "tokenizer": the server sent no usage, so output tokens are the streamed text's; input tokens
+    # are the prompts' by the model's tokenizer (no chat template) for every server.
     ("token counts from", "token_counts_from", None),
     ("other CPU (cores)", "other_cpu_cores", None),  # ~0 unless something else ran meanwhile
 )
@@ -153,13 +153,14 @@ def group_cpu_s(pgid: int) -> float:
 
 def bench(port: int, level: int, args: argparse.Namespace, out: Path, server_pgid: int) -> dict[str, Any] | None:
     concurrency = args.concurrency[level]
+    # --tokenizer: llama.cpp's servers list the model under its alias, which names no local model.
     cmd = [sys.executable, "-m", "fd_core.bench.serve", "--base-url", f"http://127.0.0.1:{port}",
-           "--endpoint", "chat", "--concurrency", str(concurrency),
+           "--endpoint", "chat", "--max-concurrency", str(concurrency), "--tokenizer", MODEL,
            "--num-prompts", str(max(args.num_prompts, concurrency)),  # every slot busy at least once
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            # Every server gets the same prompts at a level, but each level new ones: a server with
            # a prefix cache (llama-server keeps each slot's last prompt) must not replay a level.
-           "--seed", str(args.seed + level), "--warmup", "2", "--timeout", "600", "--json", str(out)]
+           "--seed", str(args.seed + level), "--num-warmups", "2", "--timeout", "600", "--save-result", str(out)]
     print(f"$ {' '.join(cmd)}", flush=True)
     # This machine may be shared: whatever CPU the server and the client did not use went to
     # something else, which slowed the server. Reported with the figures as "other CPU".

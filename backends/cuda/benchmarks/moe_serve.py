@@ -66,9 +66,9 @@ def run_fd(args, folder: Path) -> None:
         for c in args.concurrency:
             out = Path(tempfile.mkstemp(suffix=".json")[1])
             subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
-                            f"http://127.0.0.1:{port}", "--endpoint", "completions", "--concurrency", str(c),
+                            f"http://127.0.0.1:{port}", "--endpoint", "completions", "--max-concurrency", str(c),
                             "--num-prompts", str(max(2 * c, 8)), "--input-len", str(PROMPT), "--output-len",
-                            str(OUTPUT), "--warmup", "2", "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+                            str(OUTPUT), "--num-warmups", "2", "--save-result", str(out)], check=True, stdout=subprocess.DEVNULL)
             r = json.loads(out.read_text())
             rows.append((c, r))
             print(f"concurrency {c}: {r['completed']} done, {r['failed']} failed, "
