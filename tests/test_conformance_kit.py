@@ -5,6 +5,7 @@ what is wrong."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from fd_core.testing.opcases import OpCase, OpMismatch, compare
 from tests.plugins import fake_dists
+from tests.plugins.bf16_accumulator import BF16_ACCUMULATOR
 from tests.plugins.vendors import VENDOR_BACKENDS, require_installed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +126,7 @@ def test_kit_names_the_op_the_shape_and_the_error(tmp_path):
     assert "op rms_norm (implementation 'bad-rms-norm') on x[7, 576], float32: y differs from the spec: " \
            "max abs error" in out, out[-4000:]
     # the same op with a residual is right, and passes
-    assert "3 failed, 3 passed" in summary(result), summary(result)
+    assert "4 failed, 4 passed" in summary(result), summary(result)
 
 
 def test_kit_catches_a_manifest_the_backend_does_not_back(tmp_path):
@@ -207,6 +209,34 @@ def test_a_raising_is_available_is_one_failure_not_a_crash(tmp_path):
     assert "OSError: the status file is unreadable" in result.stdout
 
 
+# Each long-reduction case (opcases.LONG_*) with the output the kit names
+LONG_CASES = [
+    ("linear", "x[16, 4096] weight[256, 4096], a long reduction", "output"),
+    ("linear", "x[4, 16384] weight[64, 16384], a long reduction", "output"),
+    ("rms_norm", "x[4, 8192], a long reduction", "y"),
+    ("rms_norm", "x[4, 8192] + residual, a long reduction", "y"),
+    ("attention", ("long-context decode step [(4095, 1), (2047, 1)] q heads 8 kv heads 2 head_dim 128 "
+                   "block_size 16, values of mean 1"), "output"),
+]
+
+
+@pytest.mark.parametrize("block", ["1", "16"], ids=["rounded-every-term", "rounded-every-16-terms"])
+def test_kit_catches_sums_kept_in_bfloat16(tmp_path, block):
+    """linear, rms_norm and attention keeping their sums in bfloat16 (a scalar loop's running sum;
+    a kernel's bfloat16 accumulator over 16-deep tensor-core steps) fail every long-reduction
+    case in bfloat16, naming op, implementation and case; in float32 the same code passes."""
+    site = tmp_path / "site"
+    fake_dists.install(site, "fd-backend-bf16chip", "fd_backend_bf16chip", BF16_ACCUMULATOR, "bf16chip")
+    result = run_kit(tmp_path, "--fd-device", "bf16chip", "-k", "test_op_matches_the_spec and (reduction or mean)",
+                     pythonpath=site, env={"FD_TEST_ACCUMULATE_BLOCK": block})
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
+    for op, label, what in LONG_CASES:
+        assert f"op {op} (implementation '{op}-bf16-sum') on {label}, bfloat16: {what} differs from the spec" \
+               in result.stdout, (op, label, result.stdout[-4000:])
+    # the same cases in float32, where the same code is right, pass
+    assert summary(result).startswith(f"{len(LONG_CASES)} failed, {len(LONG_CASES)} passed"), summary(result)
+
+
 def test_kit_without_a_device_is_a_usage_error(tmp_path):
     result = run_kit(tmp_path)
     assert result.returncode == 4 and "needs --fd-device NAME" in result.stderr, result.stderr[-2000:]
@@ -235,9 +265,11 @@ def test_compare_message():
 # -- fd backend new -------------------------------------------------------------------------------
 
 
-def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path):
+@pytest.mark.parametrize("runtime", ["paddle", "torch"])
+def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path, runtime):
     made = subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "backend", "new", "mychip",
-                           "--output", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                           "--output", str(tmp_path), *(["--runtime", runtime] if runtime != "paddle" else [])],
+                          capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     package = tmp_path / "fd-backend-mychip"
     site = tmp_path / "site"
@@ -248,6 +280,12 @@ def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path):
                      env={"MYCHIP_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "failed" not in summary(result) and "skipped" not in summary(result), summary(result)
+    # its own op, in every dtype it declares (torch: bfloat16 too, the long reductions included)
+    dtypes = {"paddle": ["float32"], "torch": ["bfloat16", "float32"]}[runtime]
+    op = {"paddle": "silu_and_mul", "torch": "rms_norm"}[runtime]
+    ran = run_kit(tmp_path, "--fd-device", "mychip", "--fd-emulate", "--co", "-k", f"mychip-{op.replace('_', '-')}",
+                  pythonpath=site).stdout
+    assert sorted({line.split("-")[1] for line in ran.splitlines() if f"[{op}-" in line}) == dtypes, ran[-3000:]
     # its own suite (the kit wired in through its pyproject, plus its platform tests)
     environ = {k: v for k, v in os.environ.items() if k != "FD_EMULATE"}
     environ["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO)])
@@ -257,7 +295,19 @@ def test_backend_new_installs_and_passes_the_kit_unedited(tmp_path):
     assert "passed" in summary(own) and "failed" not in summary(own)
 
 
-def test_backend_new_refuses_bad_or_taken_names(tmp_path):
+def test_the_guide_quotes_the_torch_scaffold_as_generated():
+    """docs/WRITING_A_BACKEND.md shows ``fd backend new mychip --runtime torch``'s code: each block
+    under a ``<!-- scaffold RUNTIME NAME: PATH -->`` line is that file as scaffold.py writes it."""
+    from fd_core.entrypoints.scaffold import _files
+
+    guide = (REPO / "docs" / "WRITING_A_BACKEND.md").read_text()
+    quoted = re.findall(r"<!-- scaffold (\w+) (\w+): (\S+) -->\n```python\n(.*?)```", guide, re.DOTALL)
+    assert [path for *_, path, _ in quoted] == [f"fd_backend_mychip/{f}.py" for f in ("platform", "ops", "plugin")]
+    for runtime, name, path, text in quoted:
+        assert text == _files(name, runtime)[path], f"the guide's {path} is not what fd backend new writes"
+
+
+def test_backend_new_refuses_bad_or_taken_names(tmp_path, capsys):
     from fd_core.entrypoints.cli import main
 
     assert main(["backend", "new", "Bad-Name", "--output", str(tmp_path)]) == 2
@@ -265,3 +315,7 @@ def test_backend_new_refuses_bad_or_taken_names(tmp_path):
     assert main(["backend", "new", "okchip", "--output", str(tmp_path)]) == 0
     assert main(["backend", "new", "okchip", "--output", str(tmp_path)]) == 2  # the folder exists
     assert not (tmp_path / "fd-backend-bad-name").exists()
+    capsys.readouterr()
+    assert main(["backend", "new", "jaxchip", "--runtime", "jax", "--output", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "fd: error: --runtime jax: fd backend new writes a backend on paddle or torch\n"
+    assert not (tmp_path / "fd-backend-jaxchip").exists()

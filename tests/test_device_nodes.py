@@ -54,10 +54,10 @@ def test_a_paddle_device_without_paddle_names_the_build_to_install(monkeypatch):
     from fd_backend_xpu.platform import XpuPlatform
 
     from fd_core.backends import cpu
-    from fd_core.runtimes.paddle import device
+    from fd_core.runtimes import device
 
     monkeypatch.setenv(device_nodes.IGNORE_ENV, "1")
-    monkeypatch.setattr(device, "_paddle_installed", lambda: False)
+    monkeypatch.setattr(device, "library_installed", lambda runtime: False)
     assert XpuPlatform().is_available() == (False, "paddle is not installed; install paddlepaddle-xpu")
     monkeypatch.setattr(cpu, "runtime_installed", lambda runtime: False)
     assert cpu.default_runtime() == "paddle"

@@ -145,7 +145,7 @@ def cmd_backend_new(args: argparse.Namespace) -> int:
     from fd_core.plugins import get_registry
 
     taken = {p.name for p in get_registry().platforms()} | {r.name for r in get_registry().records}
-    folder = new_backend(args.name, Path(args.output), taken)
+    folder = new_backend(args.name, Path(args.output), taken, args.runtime)
     print(f"created {folder}: pip install -e '{folder}[test]', then run pytest --fd-emulate in it "
           f"(see its README)")
     return 0
@@ -411,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = backend_sub.add_parser("new", help="scaffold an installable backend package that passes the conformance kit")
     b.add_argument("name", help="the device name (--device NAME); the package is fd-backend-NAME")
     b.add_argument("--output", default=".", help="folder to create fd-backend-NAME in (default: here)")
+    b.add_argument("--runtime", default="paddle",
+                   help="the tensor library the chip runs on: paddle (a PaddleCustomDevice plugin) or torch (a "
+                        "device PyTorch addresses) (default: paddle)")
     b.set_defaults(func=cmd_backend_new)
 
     p = sub.add_parser("generate", help="generate one completion offline")

@@ -210,13 +210,15 @@ def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     rng = _rng(case)
     (hq, hk), d = p["heads"], case.head_dim
     meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
+    shift = p.get("value_mean", 0.0)  # values of mean 1: outputs of order 1 over long contexts
+    value_cache = value_cache + np.float32(shift)
     if p.get("kv_cache_dtype"):  # a quantized cache (fd_core.quantization.kv_cache's format)
         key_cache, value_cache = (quantized_cache(c, p["kv_cache_dtype"], p["block_size"])
                                   for c in (key_cache, value_cache))
     n = int(meta.query_start_loc[-1])
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))
-    v, vh = dev.put(_randn(rng, n, hk, d))
+    v, vh = dev.put(_randn(rng, n, hk, d) + np.float32(shift))
     (kc, kch), (vc, vch) = dev.put(key_cache), dev.put(value_cache)
     scale = d**-0.5
     out = fn(q, k, v, (kc, vc), meta, scale)
@@ -341,6 +343,19 @@ QUANTIZED_LINEAR = {
 }
 
 
+# Long reductions, where a sum kept in a 16-bit type drifts out of tolerance and a float32 one
+# does not (spec.HALF_TOLERANCES gives the arithmetic). Each is as wide as real models reduce:
+# a 4,096- and a 16,384-term dot product (hidden and MLP sizes of 7B-70B models), the sum of
+# squares over a hidden size of 8,192 (all terms positive: in bfloat16 the sum stops growing
+# once a term is below 2**-9 of it), and decodes over a 4,095- and a 2,047-token context with
+# values of mean 1, so the outputs are of order 1 and a relative error in the softmax's sums
+# shows above the tolerance's atol. Many outputs each: an error of random sign lands outside
+# the tolerance on some of them.
+LONG_LINEAR = [(16, 4096, 256), (4, 16384, 64)]  # (rows, in, out)
+LONG_RMS_NORM = [(4, 8192)]
+LONG_DECODE = [(4095, 1), (2047, 1)]
+
+
 def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCase]:
     """Every case the backend's manifest calls for: each op in every declared dtype; linear in
     every declared quantization method; attention on queries after a cached context only where
@@ -353,9 +368,10 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
 
         for vocab, hidden, n in [(64, 32, 1), (500, 96, 37)]:
             add("embedding", f"weight[{vocab}, {hidden}] ids[{n}]", params=dict(vocab=vocab, hidden=hidden, n=n))
-        for shape in [(1, 64), (7, 576), (2, 3, 128)]:
+        for shape in [(1, 64), (7, 576), (2, 3, 128), *LONG_RMS_NORM]:
             for residual in (False, True):
-                add("rms_norm", f"x{list(shape)}" + (" + residual" if residual else ""),
+                add("rms_norm", f"x{list(shape)}" + (" + residual" if residual else "")
+                    + (", a long reduction" if shape in LONG_RMS_NORM else ""),
                     params=dict(shape=shape, residual=residual))
         for style in ("neox", "interleaved"):
             for d, rot, heads, n in [(64, 64, (4, 4), 11), (128, 128, (8, 2), 11), (64, 32, (8, 2), 5),
@@ -370,6 +386,9 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 add("linear", f"x[{n}, {fin}] {method} weight[{fout}, {fin}] group {group}"
                     + (" + zeros" if zeros else "") + " + bias", quantization=method,
                     params=dict(n=n, **{"in": fin, "out": fout}, bias=True, group_size=group, zeros=zeros))
+        for n, fin, fout in LONG_LINEAR:
+            add("linear", f"x[{n}, {fin}] weight[{fout}, {fin}], a long reduction",
+                params=dict(n=n, **{"in": fin, "out": fout}, bias=False))
         for n, inter in [(1, 8), (5, 64), (33, 1536)]:
             add("silu_and_mul", f"x[{n}, {2 * inter}]", params=dict(n=n, inter=inter))
         if dtype in capabilities.kv_cache_dtypes:
@@ -379,6 +398,9 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 for heads, d in [((4, 4), 64), ((8, 2), 128)]:
                     add("attention", f"{name} step {seqs} q heads {heads[0]} kv heads {heads[1]} head_dim {d} "
                         f"block_size 16", head_dim=d, params=dict(seqs=seqs, heads=heads, block_size=16))
+            add("attention", f"long-context decode step {LONG_DECODE} q heads 8 kv heads 2 head_dim 128 "
+                f"block_size 16, values of mean 1", head_dim=128,
+                params=dict(seqs=LONG_DECODE, heads=(8, 2), block_size=16, value_mean=1.0))
         for kv in sorted(capabilities.kv_cache_dtypes & KV_QUANTIZED.keys()):
             for name in ("prefill+decode", "mixed" if chunked else "decode"):
                 seqs = ATTENTION_STEPS[name]

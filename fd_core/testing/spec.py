@@ -45,6 +45,17 @@ TOLERANCES: dict[str, dict[str, float]] = {
 # A 16-bit implementation computes in float32 (the contract says where) on the same rounded
 # inputs as the specification, and rounds its result once more at the end; attention may also
 # round its probabilities to the operand dtype before the product with V, as GPU kernels do.
+# That last rounding is at most half a unit in the last place: 2**-11 of the result in float16,
+# 2**-8 (0.0039) in bfloat16. The bounds are about four times that (atol = rtol, at the scale of
+# the outputs, which the cases draw of order 1): room for a few roundings of intermediates, none
+# for a sum kept in the 16-bit type. Such a sum is rounded at every addition, by up to 2**-8 of
+# the partial sum in bfloat16: over K terms of random sign these errors add up like sqrt(K) of
+# them, and terms of one sign stop adding at all once each is below 2**-9 of the sum. A float32
+# sum rounds by 2**-24 instead, still ~1e-5 of the output over 16,384 terms.
+# opcases' long-reduction cases (LONG_LINEAR, LONG_RMS_NORM, LONG_DECODE) measure it: the torch
+# reference's worst error on them is 0.22 of the bound, a bfloat16 running sum's 13-49 times it,
+# and one rounded after every 16 terms (a kernel with a bfloat16 accumulator over 16-deep
+# tensor-core steps) 2.4-5.6 times it (tests/plugins/bf16_accumulator.py).
 HALF_TOLERANCES: dict[str, dict[str, float]] = {
     "float16": {"rtol": 2e-3, "atol": 2e-3},
     "bfloat16": {"rtol": 1.6e-2, "atol": 1.6e-2},
