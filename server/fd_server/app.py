@@ -164,8 +164,9 @@ def _exact_numbers(documented: Any, exact: Any) -> None:
 
 
 def build_app(client: Any, served_model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``.
+              limits: ServerLimits | None = None, log_requests: bool = True) -> FastAPI:
+    """The app serving ``client`` under the model name ``served_model_name``, within ``limits``;
+    ``log_requests``: a log line per request received and ended (``fd_server.request_log``).
 
     ``app.state.monitor.dead`` is an ``asyncio.Event`` set when the engine dies; whoever runs
     the app (``fd_server.launch``) exits after the grace period."""
@@ -177,7 +178,7 @@ def build_app(client: Any, served_model_name: str, api_key: str | None = None,
     pool = concurrent.futures.ThreadPoolExecutor(limits.tokenizer_pool_size, thread_name_prefix="fd-tokenize")
     ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, pool=pool,
                         max_sequences_per_request=limits.max_sequences_per_request,
-                        request_timeout=limits.request_timeout or None)
+                        request_timeout=limits.request_timeout or None, log_requests=log_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
