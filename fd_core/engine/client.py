@@ -49,6 +49,7 @@ from fd_core.engine.outputs import RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import BackendError, EngineDeadError, InvalidRequestError
 from fd_core.loader.tokenizer_api import Tokenizer
+from fd_core.logs import effective_level
 
 log = logging.getLogger("fd.engine")
 
@@ -119,7 +120,7 @@ class AsyncEngineClient:
             # daemon: should the caller exit without shutdown(), multiprocessing still ends it
             self._proc = ctx.Process(
                 target=run_core, name="fd-engine-core", daemon=True,
-                args=(config, self._in_address, self._out_address, os.getpid()),
+                args=(config, self._in_address, self._out_address, os.getpid(), effective_level()),
             )
             self._proc.start()
             # the tokenizer loads here while the core loads the model

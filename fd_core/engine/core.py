@@ -24,7 +24,7 @@ from fd_core.engine.config import (
     GiB,
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
-from fd_core.engine.loading import load_runner, open_checkpoint
+from fd_core.engine.loading import describe, load_runner, open_checkpoint
 from fd_core.engine.model_runner import PLACEHOLDER, Launched
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -38,6 +38,8 @@ from fd_core.errors import (
 )
 from fd_core.interfaces import Platform, SampleOutput
 from fd_core.models import TensorParallel, moe_spec
+from fd_core.phases import log as startup
+from fd_core.phases import phase
 from fd_core.quantization.kv_cache import row_bytes as kv_row_bytes
 
 log = logging.getLogger("fd.engine")
@@ -139,12 +141,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig, platform: Platform | None = None, registry=None) -> None:
         from fd_core.plugins import get_registry
 
-        registry = registry or get_registry()
-        self.platform = select_platform(config, platform, registry)
+        start = time.perf_counter()
+        with phase("resolving the backend") as step:  # discovery imports the backends' hooks
+            registry = registry or get_registry()
+            self.platform = select_platform(config, platform, registry)
+            step.detail = f"{self.platform.name}, runtime {self.platform.runtime}"
         self.capabilities = self.platform.capabilities()
         self.config = config
 
-        checkpoint = open_checkpoint(config)
+        with phase("reading the checkpoint") as step:
+            checkpoint = open_checkpoint(config)
+            step.detail = describe(checkpoint)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         model_len = self.model_config.max_position_embeddings
@@ -167,26 +174,34 @@ class EngineCore:
             self.executor = Executor(config.block_size, self.eos_token_ids, runner=runner)
             self.memory, self.ops = runner.memory, runner.ops
         else:
-            workers = Workers(dataclasses.replace(config, device=self.platform.name, runtime=self.platform.runtime),
-                              world, rendezvous_address(world))
-            try:
-                workers.wait(timeout=900)  # every rank has loaded its shard
-            except BaseException:
-                workers.close()
-                raise
+            # rank 0 logs its loading; the others only their warnings (fd_core.logs.rank_level)
+            with phase(f"starting {world} tensor-parallel ranks"):
+                workers = Workers(dataclasses.replace(config, device=self.platform.name, runtime=self.platform.runtime),
+                                  world, rendezvous_address(world))
+                try:
+                    workers.wait(timeout=900)  # every rank has loaded its shard
+                except BaseException:
+                    workers.close()
+                    raise
             self.executor = Executor(config.block_size, self.eos_token_ids, workers=workers)
             # the ranks hold the model and the device memory; this process touches neither (on a
             # GPU, a Memory here would open a device context beside rank 0's)
             self.memory, self.ops = None, None
 
-        num_blocks = self._num_kv_blocks()
+        with phase("sizing the KV cache") as step:
+            num_blocks = self._num_kv_blocks()  # profiles the device's memory where it can
+            per_rank = " per rank" if world > 1 else ""
+            step.detail = (f"{num_blocks} blocks of {config.block_size} tokens, "
+                           f"{num_blocks * self._kv_block_bytes() / GiB:.2f} GiB{per_rank} in {config.cache_dtype}")
         if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {(num_blocks - 1) * config.block_size} tokens, fewer than "
                 f"max_model_len={self.max_model_len}; give it more memory (kv_cache_memory_gb / "
                 f"num_kv_blocks) or lower max_model_len"
             )
-        self.executor.initialize_kv_cache(num_blocks, config.cache_dtype)
+        # and the backend's warm-up (captured graphs), which logs its own phases
+        with phase("allocating the KV cache"):
+            self.executor.initialize_kv_cache(num_blocks, config.cache_dtype)
         self.pool = BlockPool(num_blocks, config.block_size, enable_caching=config.enable_prefix_caching)
         swap = None
         if config.swap_space:
@@ -210,6 +225,8 @@ class EngineCore:
         # skip some, recomputation after preemption repeats some)
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
                       "preemptions": 0}
+        startup.info("engine ready in %.2f s: %s on %s, max_model_len %d, %d KV-cache blocks",
+                     time.perf_counter() - start, config.model, self.platform.name, self.max_model_len, num_blocks)
 
     def _kv_block_bytes(self) -> int:
         """Bytes of one block on one rank (a tensor-parallel rank holds its share of the heads)."""

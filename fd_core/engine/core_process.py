@@ -147,8 +147,13 @@ def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
 
 # -- the process -----------------------------------------------------------------------------
 
-def run_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
-    """Entry point of the spawned process. Exits non-zero if start-up or a step fails."""
+def run_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+             log_level: int | str | None = None) -> None:
+    """Entry point of the spawned process. Exits non-zero if start-up or a step fails.
+    ``log_level``: the client's (``fd_core.logs.effective_level``); None: ``$FD_LOG_LEVEL``."""
+    from fd_core.logs import configure
+
+    configure(log_level, role="engine")  # before anything imports a tensor library
     # Ctrl-C reaches the whole process group; the parent decides when this process stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(parent_pid)

@@ -48,6 +48,7 @@ from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
 from fd_core.interfaces import SamplingBatch
+from fd_core.logs import configure, effective_level, parse_level, rank_level
 
 log = logging.getLogger("fd.engine")
 
@@ -92,7 +93,8 @@ class Workers:
             self._senders.append(sender)
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fd_core.engine.executor", "--rank", str(rank), "--calls", address,
-                 "--replies", f"ipc://{self._dir}/replies", "--parent", str(os.getpid())],
+                 "--replies", f"ipc://{self._dir}/replies", "--parent", str(os.getpid()),
+                 "--log-level", str(effective_level())],
             ))
         self._closing = False
         atexit.register(self.close)  # an engine never shut down still stops its ranks
@@ -305,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", required=True)
     ap.add_argument("--replies", required=True)
     ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--log-level", default=None, help="the engine's (a name or a number; default: $FD_LOG_LEVEL)")
     args = ap.parse_args(argv)
+    configure(rank_level(parse_level(args.log_level), args.rank), role=f"rank{args.rank}")
     watch_parent(args.parent)
     return _worker(args.rank, args.calls, args.replies)
 

@@ -8,6 +8,7 @@ from typing import Any
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
 from fd_core.interfaces import Communicator, Platform, RunnerLimits
+from fd_core.phases import phase, progress
 from fd_core.plugins.ops import op_context
 from fd_core.quantization.quantize import LoadQuantization
 
@@ -32,25 +33,38 @@ def open_checkpoint(config: EngineConfig) -> Any:
     return checkpoint
 
 
+def describe(checkpoint: Any) -> str:
+    """A checkpoint in a few words, for the start-up log."""
+    return f"{checkpoint.format}, {checkpoint.config.architecture}, {checkpoint.num_tensors} tensors"
+
+
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
                 comm: Communicator | None = None, checkpoint: Any = None) -> ModelRunner:
     """``config.max_model_len`` must be resolved. ``checkpoint`` is loaded from ``config.model``
     when not given."""
     from fd_core.models import TensorParallel, build_model
 
-    checkpoint = checkpoint or open_checkpoint(config)
+    if checkpoint is None:
+        with phase("reading the checkpoint") as step:
+            checkpoint = open_checkpoint(config)
+            step.detail = describe(checkpoint)
     model_config = checkpoint.config
-    memory = platform.memory(rank % max(1, platform.device_count()))
-    # each quantization method the backend declares gets its own linear; weights of other
-    # methods are dequantized at load (DecoderForCausalLM.load_weights)
-    ops = registry.op_table(platform, context=op_context(config.dtype, model_config.head_dim),
-                            pins=config.op_pins, methods=platform.capabilities().quantization)
+    with phase("setting up the device") as step:  # imports the tensor library, probes kernels
+        memory = platform.memory(rank % max(1, platform.device_count()))
+        # each quantization method the backend declares gets its own linear; weights of other
+        # methods are dequantized at load (DecoderForCausalLM.load_weights)
+        ops = registry.op_table(platform, context=op_context(config.dtype, model_config.head_dim),
+                                pins=config.op_pins, methods=platform.capabilities().quantization)
+        step.detail = f"{getattr(memory, 'device', platform.name)}, runtime {platform.runtime}"
     tp = TensorParallel(rank, world_size, comm, expert_parallel=config.enable_expert_parallel)
-    model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
     quantize = None
     if config.quantization is not None:  # validate() filled in the method's group size
         quantize = LoadQuantization(config.quantization, config.quantization_group_size)
-    model.load_weights(checkpoint.weights(), quantize)
+    with phase("loading weights") as step:
+        model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
+        count = checkpoint.num_tensors
+        model.load_weights(progress(checkpoint.weights(), count, "loading weights", "tensor"), quantize)
+        step.detail = f"{count} tensors" + (f", rank {rank} of {world_size}" if world_size > 1 else "")
     if quantize is not None:
         quantize.report()
     limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,

@@ -13,6 +13,8 @@ from fd_core import __version__
 from fd_core.engine.config import LOAD_FORMATS
 from fd_core.engine.sampling_params import MAX_LOGPROBS
 from fd_core.interfaces import API_VERSION
+from fd_core.logs import ENV as LOG_ENV
+from fd_core.logs import LEVELS
 
 
 def _platform_row(platform: Any) -> dict[str, Any]:
@@ -234,6 +236,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="FastDeploy's inter-process ports; fd's processes talk over local pipes and "
                         "sockets it picks itself (no effect)")
     p.add_argument("--op", action="append", metavar="OP=IMPL", help="pin an op implementation")
+    p.add_argument("--log-level", default=None, type=str.lower, choices=LEVELS,
+                   help=f"what every fd process of the engine logs to stderr: {', '.join(LEVELS)} (default: "
+                        f"${LOG_ENV}, else info)")
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -285,7 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None, heartbeat_timeout=args.heartbeat_timeout or None,
         tokenizer_pool_size=args.tokenizer_pool_size)
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 api_key=args.api_key, limits=limits, metrics_port=args.metrics_port)
+                 api_key=args.api_key, limits=limits, metrics_port=args.metrics_port,
+                 log_requests=not args.disable_log_requests)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -447,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=_seconds, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="S",
                    help=f"/health (and new requests) answer 503 while the engine core has not reported for S "
                         f"seconds (default {DEFAULT_HEARTBEAT_TIMEOUT_S:g}; 0: only a dead core is unhealthy)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request received and finished (default: one of each, at info)")
     p.add_argument("--tokenizer-pool-size", type=_positive_int, default=DEFAULT_TOKENIZER_POOL_SIZE, metavar="N",
                    help=f"threads that tokenize and render chat templates, off the event loop "
                         f"(default {DEFAULT_TOKENIZER_POOL_SIZE})")
@@ -479,6 +487,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "log_level"):  # a command that starts an engine (or talks to one)
+            from fd_core.logs import configure
+
+            configure(args.log_level, role="server" if args.command == "serve" else "main")
         return int(args.func(args) or 0)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
-
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.engine import LLMEngine
 from fd_core.engine.outputs import RequestOutput
@@ -14,6 +12,8 @@ from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError
 from fd_core.loader import DEFAULT_MODEL
+from fd_core.logs import configure_default
+from fd_core.phases import bar
 
 PromptLike = str | list[int] | dict[str, Any]
 Messages = list[dict[str, str]]
@@ -29,6 +29,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args: Any) -> None:
+        configure_default()  # fd's log lines, unless the application has set up logging
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
@@ -126,13 +127,13 @@ class LLM:
             for rid in ids:  # nothing half-submitted stays in the engine
                 self.engine.abort_request(rid)
             raise
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        shown = bar(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            done = self.engine.run(progress=bar)
+            done = self.engine.run(progress=shown)
         except BaseException:
             for rid in ids:  # an interrupted call leaves no half-run request holding KV blocks
                 self.engine.abort_request(rid)
             raise
         finally:
-            bar.close()
+            shown.close()
         return [done[rid] for rid in ids]

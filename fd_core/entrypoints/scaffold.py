@@ -374,10 +374,10 @@ fd-core's `docs/WRITING_A_BACKEND.md` describes the contract op by op.
 # runtime -> what differs between the packages: (pyproject's description, its dependencies, the
 # files under the package's own names)
 TEMPLATES: dict[str, tuple[str, str, dict[str, str]]] = {
-    "paddle": ("on PaddlePaddle's $name custom device", '"fd-core"', {
+    "paddle": ("on PaddlePaddle's $name custom device", '"fd-core[paddle]"', {
         "plugin.py": PADDLE_PLUGIN, "platform.py": PADDLE_PLATFORM, "ops.py": PADDLE_OPS,
         "test_platform.py": PADDLE_TEST_PLATFORM, "README.md": PADDLE_README}),
-    "torch": ("on PyTorch's $name device", '"fd-core", "torch"', {
+    "torch": ("on PyTorch's $name device", '"fd-core[torch]"', {
         "plugin.py": TORCH_PLUGIN, "platform.py": TORCH_PLATFORM, "ops.py": TORCH_OPS,
         "test_platform.py": TORCH_TEST_PLATFORM, "README.md": TORCH_README}),
 }

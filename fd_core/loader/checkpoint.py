@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from fd_core.errors import CheckpointError, UnsupportedArchitectureError
 from fd_core.loader.tokenizer_api import Tokenizer
@@ -81,9 +80,8 @@ class Checkpoint:
         return as_float(read())
 
     def weights(self, dequantize: bool = False) -> Iterator[tuple[str, HostWeight]]:
-        # disable=None: a bar on a terminal, silence in logs and pipes.
-        names = tqdm(self._readers, total=len(self._readers), desc="Loading weights", unit="tensor", disable=None)
-        for name in names:
+        # the engine shows the progress (fd_core.phases.progress)
+        for name in self._readers:
             weight = self._readers[name]()
             yield name, as_float(weight) if dequantize else weight
 

@@ -165,9 +165,10 @@ def _exact_numbers(documented: Any, exact: Any) -> None:
 
 
 def build_app(client: Any, served_model_name: str | Sequence[str], api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, log_requests: bool = True) -> FastAPI:
     """The app serving ``client`` under the model name ``served_model_name`` (or several names,
-    any of which a request may ask for; responses and metrics carry the first), within ``limits``.
+    any of which a request may ask for; responses and metrics carry the first), within ``limits``;
+    ``log_requests``: a log line per request received and ended (``fd_server.request_log``).
 
     ``app.state.monitor.dead`` is an ``asyncio.Event`` set when the engine dies; whoever runs
     the app (``fd_server.launch``) exits after the grace period."""
@@ -181,7 +182,7 @@ def build_app(client: Any, served_model_name: str | Sequence[str], api_key: str 
     pool = concurrent.futures.ThreadPoolExecutor(limits.tokenizer_pool_size, thread_name_prefix="fd-tokenize")
     ctx = ServerContext(client=client, monitor=monitor, model_name=served_model_name, model_names=names, pool=pool,
                         max_sequences_per_request=limits.max_sequences_per_request,
-                        request_timeout=limits.request_timeout or None)
+                        request_timeout=limits.request_timeout or None, log_requests=log_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

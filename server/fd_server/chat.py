@@ -50,7 +50,7 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs,
         logprobs_param="top_logprobs")
-    batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout)
+    batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout, ctx.log_requests)
     batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:
         return SSEResponse(_events(ctx, body, batch, len(prompt_ids), logprobs), on_close=batch.close)

@@ -53,7 +53,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
             client, body, prompt_len=len(ids),
             max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs)
         plan.append((text, ids, sampling))
-    batch = Batch(ctx.monitor, new_id("cmpl"), arrival, ctx.request_timeout)
+    batch = Batch(ctx.monitor, new_id("cmpl"), arrival, ctx.request_timeout, ctx.log_requests)
     for text, ids, sampling in plan:
         batch.submit(ids, sampling, text, body.cache_salt)
     echoes = [_echo(ctx, text, ids) if body.echo else "" for text, ids in prompts]

@@ -22,13 +22,14 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Sequence
 from typing import Any
 
 from fd_core import errors
 from fd_core.engine.config import EngineConfig
 from fd_core.errors import ConfigError
+from fd_core.logs import configure_default, effective_level
+
 from fd_server.limits import ServerLimits
 
 log = logging.getLogger("fd_server")
@@ -39,10 +40,12 @@ ENGINE_SHUTDOWN_S = 30.0
 
 
 def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | Sequence[str] | None,
-          api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None) -> int:
+          api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None,
+          log_requests: bool = True) -> int:
     """Run the server until it is stopped; returns the process exit status. ``metrics_port``:
-    a second port that serves /metrics alone (FastDeploy's --metrics-port)."""
-    _configure_logging()
+    a second port that serves /metrics alone (FastDeploy's --metrics-port); ``log_requests``:
+    a log line per request received and finished (``--disable-log-requests`` turns them off)."""
+    configure_default(role="server")  # fd serve has configured it already (--log-level)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
     limits = limits or ServerLimits()
@@ -72,7 +75,8 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
                     "server; set --api-key (or FD_API_KEY) or --host 127.0.0.1", host)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, metrics_sock))
+        return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, log_requests,
+                                  metrics_sock))
     except KeyboardInterrupt:
         return 130
     finally:
@@ -163,7 +167,8 @@ def _dead_exit_s() -> float:
 
 
 async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
-                 api_key: str | None, limits: ServerLimits, metrics_sock: socket.socket | None = None) -> int:
+                 api_key: str | None, limits: ServerLimits, log_requests: bool,
+                 metrics_sock: socket.socket | None = None) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -193,12 +198,13 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
     exit_code = 0
     helpers: list[asyncio.Task[Any]] = []
     try:
-        app = build_app(client, names, api_key=api_key, limits=limits)
+        app = build_app(client, names, api_key=api_key, limits=limits, log_requests=log_requests)
         name = names[0]
         if metrics_sock is not None:
             helpers.append(asyncio.ensure_future(_serve_metrics(app, metrics_sock)))
-        config = uvicorn.Config(app, host=host, port=port, log_level="info", lifespan="on",
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        # log_config=None: uvicorn's lines go through fd's handler and format (fd_core.logs)
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=effective_level(),
+                                lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
 
         async def announce() -> None:
@@ -268,9 +274,3 @@ async def _shutdown(client: Any) -> None:
 def _ignore_late_signal(signum: int, _frame: Any) -> None:
     log.debug("fd: signal %s while stopping; still shutting down the engine", signal.Signals(signum).name)
 
-
-def _configure_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("fd_server").setLevel(logging.INFO)

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from fd_core.engine.outputs import Logprob, RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
 
+from fd_server import request_log
 from fd_server.errors import from_exception, request_timeout
 from fd_server.streams import EngineMonitor, RequestStream, follow
 
@@ -49,6 +50,7 @@ class ServerContext:
     max_sequences_per_request: int | None = None  # prompts × n of one request
     request_timeout: float | None = None  # seconds from arrival until a request is aborted
     model_names: tuple[str, ...] = ()  # every name a request may ask for (--served-model-name a b)
+    log_requests: bool = True  # a log line per request received and ended (request_log)
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)
@@ -73,12 +75,15 @@ class Batch:
     ``timeout`` (seconds from ``arrival``) every one still running then is aborted and the
     request ends with a 504."""
 
-    def __init__(self, monitor: EngineMonitor, base_id: str, arrival: float, timeout: float | None = None) -> None:
+    def __init__(self, monitor: EngineMonitor, base_id: str, arrival: float, timeout: float | None = None,
+                 log_requests: bool = False) -> None:
         self.monitor = monitor
         self.base_id = base_id
         self.notify = asyncio.Event()
         self.streams: list[RequestStream] = []
         self.arrival = arrival  # time.monotonic() when the request came in, for the latency metrics
+        self.log_requests = log_requests
+        self._closed = False
         self._timer = None
         if timeout:
             self._timer = asyncio.get_running_loop().call_later(
@@ -92,6 +97,8 @@ class Batch:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None,
                cache_salt: str | None = None) -> None:
         request_id = self.base_id if not self.streams else f"{self.base_id}-{len(self.streams)}"
+        if self.log_requests:
+            request_log.received(request_id, prompt_token_ids, prompt_text, params)
         self.streams.append(self.monitor.open(request_id, prompt_token_ids, params, prompt_text,
                                               self.notify, self.arrival, cache_salt))
 
@@ -103,6 +110,10 @@ class Batch:
             self._timer.cancel()
         for stream in self.streams:
             stream.close()
+        if self.log_requests and not self._closed:
+            for stream in self.streams:
+                request_log.ended(stream.request_id, self.arrival, stream.latest, stream.error)
+        self._closed = True
 
     async def final(self, request: Request) -> list[RequestOutput]:
         """Wait for every prompt to finish; abort them all if the client disconnects first."""

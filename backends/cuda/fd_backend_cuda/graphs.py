@@ -20,18 +20,15 @@ combine step ignores.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from fd_core.interfaces import AttentionMetadata, RunnerLimits
+from fd_core.phases import phase
 from fd_core.runtimes.torch.ops import upload
 
 from fd_backend_cuda.kernels.attention import static_step_tensors
-
-log = logging.getLogger("fd.cuda")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -121,16 +118,14 @@ class GraphedForward:
     def warm_up(self, kv_caches: list, device: str | torch.device) -> None:
         """Capture every bucket now that the KV cache exists, largest first (the pool then
         holds the largest activations once, and smaller graphs reuse that memory)."""
-        start = time.perf_counter()
         device = torch.device(device)  # the attention op keys its metadata by q.device
-        for size in sorted(self.sizes, reverse=True):
-            self._graph(size, kv_caches, device)
-        log.info("captured CUDA graphs for decode batches of %s sequences in %.1f s",
-                 ", ".join(map(str, self.sizes)), time.perf_counter() - start)
-        start = time.perf_counter()
-        count = self.warm_eager_steps(kv_caches, device)
-        log.info("compiled the kernels of eager steps (%d synthetic steps) in %.1f s", count,
-                 time.perf_counter() - start)
+        # the engine's start-up phases: a line each as they start and end, with the duration
+        with phase(f"capturing CUDA graphs for {len(self.sizes)} decode batch sizes") as step:
+            for size in sorted(self.sizes, reverse=True):
+                self._graph(size, kv_caches, device)
+            step.detail = f"batches of {', '.join(map(str, self.sizes))} sequences"
+        with phase("compiling the kernels of eager steps") as step:
+            step.detail = f"{self.warm_eager_steps(kv_caches, device)} synthetic steps"
 
     def warm_eager_steps(self, kv_caches: list, device: torch.device) -> int:
         """Run, at start-up, eager steps shaped so that every attention launch variant an
