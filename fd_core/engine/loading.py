@@ -17,6 +17,7 @@ def open_checkpoint(config: EngineConfig) -> Any:
     """``config.model`` as ``--load-format`` says: the checkpoint, or (dummy) its folder's config
     and tokenizer with random weights, the linears already in ``--quantization``'s form."""
     from fd_core.loader import load_checkpoint, resolve_model
+    from fd_core.loader.chat_template import read_chat_template
     from fd_core.loader.dummy import load_dummy
     from fd_core.loader.formats import load_tokenizer
 
@@ -28,8 +29,8 @@ def open_checkpoint(config: EngineConfig) -> Any:
         checkpoint = load_checkpoint(path)
     if config.tokenizer is not None:
         checkpoint.tokenizer = load_tokenizer(resolve_model(config.tokenizer))
-    if config.chat_template is not None:  # validate() read and compiled it
-        checkpoint.tokenizer.chat_template = config.chat_template
+    if config.chat_template is not None:  # a file or the template; validate() has checked it
+        checkpoint.tokenizer.chat_template = read_chat_template(config.chat_template)
     return checkpoint
 
 
