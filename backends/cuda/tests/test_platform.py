@@ -50,7 +50,7 @@ def test_greedy_tokens_are_transformers_argmax_on_the_gpu(llama):
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 400, size=int(rng.integers(4, 40))).tolist() for _ in range(8)]
-    llm = LLM(model=str(llama), device="cuda", max_model_len=256, num_kv_blocks=256)
+    llm = LLM(model=str(llama), device="cuda", dtype="float32", max_model_len=256, num_kv_blocks=256)
     assert llm.engine.core.ops.choices["attention"].impl.name == "triton-attention"
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.float32).cuda().eval()
