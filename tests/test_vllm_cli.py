@@ -159,3 +159,29 @@ def test_a_vllm_launch_line_starts_and_is_honoured(tmp_path):
         assert httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models", timeout=10).status_code == 404
     log = server.log_path.read_text()
     assert "received request" not in log  # --disable-log-requests
+
+
+@pytest.mark.oracle
+def test_skip_tokenizer_init_runs_on_token_ids_alone(tmp_path):
+    from fd_core import LLM, SamplingParams
+    from fd_core.errors import CheckpointError, InvalidRequestError
+    from tests.checkpoints import make_llama
+
+    folder = make_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    want = LLM(str(folder), max_model_len=128).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        LLM(str(folder), max_model_len=128)
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128)
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == ""
+    assert [sorted(step) for step in got.logprobs] == [sorted(step) for step in want.logprobs]
+    with pytest.raises(InvalidRequestError, match="a text prompt needs a tokenizer"):
+        llm.generate("hi", params, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)
+    with pytest.raises(ConfigError, match="--chat-template has no tokenizer"):
+        LLM(str(folder), skip_tokenizer_init=True, chat_template="{{ 1 }}")

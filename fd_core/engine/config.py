@@ -77,6 +77,8 @@ class EngineConfig:
     tokenizer: str | None = None  # another folder or .gguf to take the tokenizer from (--tokenizer)
     chat_template: str | None = None  # a template file, or the template itself (--chat-template)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs a request may ask for (--max-logprobs)
+    # no tokenizer: prompts are token ids and outputs carry token ids only (vLLM's flag)
+    skip_tokenizer_init: bool = False
 
     @property
     def cache_dtype(self) -> str:
@@ -127,6 +129,9 @@ class EngineConfig:
             raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype}: accepted values are {accepted}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if self.skip_tokenizer_init and (self.tokenizer is not None or self.chat_template is not None):
+            flag = "--tokenizer" if self.tokenizer is not None else "--chat-template"
+            raise ConfigError(f"{flag} has no tokenizer to act on with skip_tokenizer_init")
         if self.chat_template is not None:
             from fd_core.loader.chat_template import (
                 read_chat_template,  # the loader is heavy for `fd backends`

@@ -164,7 +164,8 @@ class EngineCore:
                               getattr(self.platform, "default_long_prefill_token_threshold", None))
 
         config.max_model_len = self.max_model_len
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        own = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()  # skip_tokenizer_init
+        self.eos_token_ids = frozenset(own) | frozenset(self.model_config.eos_token_ids)
 
         world = config.tensor_parallel_size
         self.tp = TensorParallel(0, world, expert_parallel=config.enable_expert_parallel)

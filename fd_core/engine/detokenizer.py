@@ -66,6 +66,8 @@ def catch_up(tokenizer: Tokenizer, state: TextState) -> str:
     """Decode every token not read yet into ``state.text``, as ``append_text`` after each one
     would have; returns the text added. At once where they end on a whole character (the
     usual case), else token by token."""
+    if tokenizer is None:  # skip_tokenizer_init: outputs are token ids alone
+        return ""
     unread = state.num_tokens - state.read_offset
     if unread <= 1:
         return append_text(tokenizer, state) if unread else ""

@@ -11,6 +11,7 @@ from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
 from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
+from fd_core.errors import InvalidRequestError
 from fd_core.interfaces import Platform
 
 
@@ -34,6 +35,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     prompt_text: str | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop_strings):
+            what = "a text prompt" if isinstance(prompt, str) else "stop strings"
+            raise InvalidRequestError(f"{what} needs a tokenizer, and this engine has none "
+                                      "(skip_tokenizer_init): give prompt token ids and stop_token_ids")
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:

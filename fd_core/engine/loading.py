@@ -24,9 +24,9 @@ def open_checkpoint(config: EngineConfig) -> Any:
     path = resolve_model(config.model)
     if config.load_format == "dummy":
         method = None if config.quantization is None else (config.quantization, config.quantization_group_size)
-        checkpoint = load_dummy(path, method)
+        checkpoint = load_dummy(path, method, tokenizer=not config.skip_tokenizer_init)
     else:
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, tokenizer=not config.skip_tokenizer_init)
     if config.tokenizer is not None:
         checkpoint.tokenizer = load_tokenizer(resolve_model(config.tokenizer))
     if config.chat_template is not None:  # a file or the template; validate() has checked it

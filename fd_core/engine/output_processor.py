@@ -136,7 +136,8 @@ class OutputProcessor:
         out.last_token_time = now
 
     def _logprobs(self, co: CoreOutput) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode
+        # no tokenizer (skip_tokenizer_init): the tokens' ids, no text
+        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: None)
         entry = {co.token_id: Logprob(co.logprob, co.rank, decode([co.token_id], skip_special_tokens=False))}
         for rank, (tid, lp) in enumerate(co.top, start=1):
             if tid not in entry:

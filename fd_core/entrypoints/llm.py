@@ -22,6 +22,9 @@ Messages = list[dict[str, str]]
 class LLM:
     """Load a model once and generate for many prompts together (continuous batching).
 
+    ``skip_tokenizer_init=True`` loads no tokenizer (the model folder needs none): prompts are
+    token ids (``{"prompt_token_ids": [...]}`` or lists) and outputs carry token ids, no text.
+
     Keyword arguments are :class:`~fd_core.engine.config.EngineConfig` fields
     (``device``, ``runtime`` (e.g. ``"torch"`` on the CPU; default: the backend's),
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
@@ -66,6 +69,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or many, rendered with the model's chat template."""
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -55,7 +55,7 @@ class Checkpoint:
         path: Path,
         format: str,
         config: ModelConfig,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,  # None: read without one (skip_tokenizer_init)
         readers: Mapping[str, Callable[[], HostWeight]],
     ) -> None:
         self.path = path

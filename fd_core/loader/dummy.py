@@ -59,14 +59,15 @@ def _quantized(pool: _Pool, shape: tuple[int, int], method: str, group_size: int
     return QuantizedWeight(method, np.ascontiguousarray(levels), scales, group_size, shape, zeros)
 
 
-def load_dummy(folder: Path, quantization: tuple[str, int] | None = None, seed: int = 0) -> Checkpoint:
+def load_dummy(folder: Path, quantization: tuple[str, int] | None = None, seed: int = 0,
+               tokenizer: bool = True) -> Checkpoint:
     """A Hugging Face model folder's config and tokenizer, with random weights. ``quantization``
     is ``(method, group_size)`` of ``--quantization``: the decoder's linears are made in it."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(
             f"--load-format dummy needs a model folder with a config.json (and a tokenizer); {folder} has none")
-    src = SafetensorsFolder.open(folder, tensors=False)
+    src = SafetensorsFolder.open(folder, tensors=False, tokenizer=tokenizer)
     stored = str(src.config_json.get("torch_dtype") or src.config_json.get("dtype") or "bfloat16")
     config = src.model_config(dtype=stored if stored in ("float32", "float16", "bfloat16") else "bfloat16")
     pool = _Pool(seed)

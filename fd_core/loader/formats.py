@@ -10,12 +10,13 @@ from fd_core.loader.checkpoint import Checkpoint
 from fd_core.loader.tokenizer_api import Tokenizer
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def load_checkpoint(path: str | Path, tokenizer: bool = True) -> Checkpoint:
     """Open a GGUF file, or a Hugging Face or Paddle model folder, found on local disk.
 
     A folder holding a ``config.json`` is read as safetensors (Paddle layout when its tensors say
     so, see :func:`fd_core.loader.paddle_loader.is_paddle_layout`); a folder without one but with a
-    single ``.gguf`` file is read as that file.
+    single ``.gguf`` file is read as that file. ``tokenizer=False``: no tokenizer is read (the
+    checkpoint's is None; ``skip_tokenizer_init``), and none need exist.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -25,14 +26,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise ModelNotFoundError(
                 f"{path} is a file but not a .gguf checkpoint; pass a model folder or a .gguf file."
             )
-        return gguf_loader.load_gguf(path)
+        return gguf_loader.load_gguf(path, tokenizer)
     if (path / "config.json").is_file():
         if paddle_loader.is_paddle_layout(path):
-            return paddle_loader.load_paddle(path)
-        return hf_loader.load_hf(path)
+            return paddle_loader.load_paddle(path, tokenizer)
+        return hf_loader.load_hf(path, tokenizer)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return gguf_loader.load_gguf(ggufs[0])
+        return gguf_loader.load_gguf(ggufs[0], tokenizer)
     if len(ggufs) > 1:
         names = ", ".join(file.name for file in ggufs)
         raise ModelNotFoundError(f"{path} holds several GGUF files ({names}); pass the one to load.")

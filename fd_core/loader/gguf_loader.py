@@ -367,7 +367,7 @@ def gguf_tokenizer(reader: Any, metadata: dict[str, Any], path: Path) -> TextTok
 # -- the checkpoint ---------------------------------------------------------------------------
 
 
-def load_gguf(path: Path) -> Checkpoint:
+def load_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     from gguf import GGUFReader
 
     path = Path(path)
@@ -376,7 +376,7 @@ def load_gguf(path: Path) -> Checkpoint:
     except Exception as exc:  # gguf raises ValueError, struct errors, OSError...
         raise CheckpointError(f"Cannot read {path} as GGUF: {exc}.") from exc
     config, metadata, permuted = gguf_config(reader, path)
-    tokenizer = gguf_tokenizer(reader, metadata, path)
+    text_tokenizer = gguf_tokenizer(reader, metadata, path) if tokenizer else None
     found: dict[str, tuple[int, ...]] = {}
     readers: dict[str, Callable[[], HostWeight]] = {}
     plain = {"F32", "F16", "BF16"}
@@ -405,6 +405,6 @@ def load_gguf(path: Path) -> Checkpoint:
         path=path,
         format="gguf",
         config=config,
-        tokenizer=tokenizer,
+        tokenizer=text_tokenizer,
         readers={name: readers[name] for name in names},
     )

@@ -305,15 +305,16 @@ class SafetensorsFolder:
     generation: dict[str, Any]
     architecture: str
     tensors: SafetensorsSet | None  # None: opened for its config and tokenizer alone
-    tokenizer: TextTokenizer
+    tokenizer: TextTokenizer | None  # None: opened without it (skip_tokenizer_init)
 
     @classmethod
-    def open(cls, folder: Path, tensors: bool = True) -> "SafetensorsFolder":
+    def open(cls, folder: Path, tensors: bool = True, tokenizer: bool = True) -> "SafetensorsFolder":
         folder = Path(folder)
         config_json = read_json(folder / "config.json")
         generation = read_optional_json(folder / "generation_config.json")
         return cls(folder, config_json, generation, architecture_of(config_json, folder),
-                   SafetensorsSet(folder) if tensors else None, load_tokenizer(folder, config_json, generation))
+                   SafetensorsSet(folder) if tensors else None,
+                   load_tokenizer(folder, config_json, generation) if tokenizer else None)
 
     def model_config(self, config_json: Mapping[str, Any] | None = None, dtype: str | None = None,
                      **kwargs: Any) -> ModelConfig:
@@ -326,15 +327,19 @@ class SafetensorsFolder:
             self.folder,
             architecture=self.architecture,
             dtype=dtype,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            bos_token_id=self.generation.get("bos_token_id", self.tokenizer.bos_token_id),
+            eos_token_ids=(self.tokenizer.eos_token_ids if self.tokenizer is not None else
+                           token_ids(self.config_json.get("eos_token_id"))
+                           + token_ids(self.generation.get("eos_token_id"))),
+            bos_token_id=self.generation.get(
+                "bos_token_id", self.tokenizer.bos_token_id if self.tokenizer is not None
+                else self.config_json.get("bos_token_id")),
             **kwargs,
         )
 
 
-def load_hf(folder: Path) -> Checkpoint:
+def load_hf(folder: Path, tokenizer: bool = True) -> Checkpoint:
     """A Hugging Face folder: linear weights already ``[out, in]`` and named as transformers names them."""
-    src = SafetensorsFolder.open(folder)
+    src = SafetensorsFolder.open(folder, tokenizer=tokenizer)
     config = src.model_config()
     tensors = src.tensors
     found = {name: tensors.shape(name) for name in tensors.names()}

@@ -147,8 +147,8 @@ def _paddle_to_hf(
     return shapes, readers
 
 
-def load_paddle(folder: Path) -> Checkpoint:
-    src = SafetensorsFolder.open(folder)
+def load_paddle(folder: Path, tokenizer: bool = True) -> Checkpoint:
+    src = SafetensorsFolder.open(folder, tokenizer=tokenizer)
     config_json = src.config_json
     base = _base_prefix(list(src.tensors.names())) or _HF_BASE
     if "max_position_embeddings" not in config_json and "max_sequence_length" in config_json:
