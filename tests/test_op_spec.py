@@ -899,3 +899,53 @@ def test_top_p_over_a_large_vocabulary(spread, top_p, top_k, width, monkeypatch)
     for i in range(num_rows):
         allowed = allowed_tokens(logits[i].astype(np.float64), 1.0, top_k, top_p, 0.0)
         assert spec.sample(logits[i : i + 1], batch_row(batch, i)).token_ids[0] in allowed
+
+
+# --- structured output's token bitmask (API 1.10) -----------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1003, 49152])
+def test_token_bitmask_layout(vocab):
+    from fd_core.interfaces.ops import (
+        pack_token_bitmask,
+        token_bitmask_words,
+        unpack_token_bitmask,
+    )
+
+    rng = np.random.default_rng(vocab)
+    allowed = rng.random((3, vocab)) < 0.3
+    allowed[0, vocab - 1] = True
+    words = pack_token_bitmask(allowed)
+    assert words.dtype == np.int32 and words.shape == (3, token_bitmask_words(vocab))
+    np.testing.assert_array_equal(unpack_token_bitmask(words, vocab), allowed)
+    # the layout llguidance and xgrammar fill: bit t % 32 of word t // 32, padding bits clear
+    for t in np.flatnonzero(allowed[0]):
+        assert (int(words[0, t // 32]) >> int(t % 32)) & 1
+    last = (vocab - 1) // 32
+    assert (int(words[0, last]) & 0xFFFFFFFF) >> ((vocab - 1) % 32 + 1) == 0
+
+
+def test_sample_keeps_to_the_allowed_tokens():
+    from fd_core.interfaces.ops import pack_token_bitmask
+
+    rng = np.random.default_rng(18)
+    rows, vocab = 12, 500
+    logits = randn(rng, rows, vocab) * 3
+    allowed = rng.random((rows, vocab)) < 0.05
+    allowed[:, 0] = True
+    allowed[0] = False
+    allowed[0, 321] = True  # forced
+    allowed[1] = True  # no grammar
+    params = {"temperature": [0.0, 0.0] + [0.0, 1.0] * 5, "top_k": [0] * 6 + [5] * 6, "seeds": np.arange(rows)}
+    free = spec.sample(logits, make_sampling_batch(rows, **params))
+    batch = make_sampling_batch(rows, **params)
+    batch.allowed_token_bitmask = pack_token_bitmask(allowed)
+    for out in both(logits, batch):
+        assert all(allowed[i, t] for i, t in enumerate(out.token_ids))
+        assert out.token_ids[0] == 321 and out.token_ids[1] == free.token_ids[1]
+        greedy = [i for i in range(2, rows) if params["temperature"][i] == 0]
+        for i in greedy:
+            assert out.token_ids[i] == np.flatnonzero(allowed[i])[np.argmax(logits[i, allowed[i]])]
+        # the raw distribution's logprob and top logprobs, as with suppression
+        raw = log_softmax64(logits)
+        close("sample", out.logprobs, raw[np.arange(rows), out.token_ids].astype(np.float32))

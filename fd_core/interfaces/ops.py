@@ -113,7 +113,12 @@ class SamplingBatch:
     off) divides positive and multiplies negative logits of every token seen in the prompt or the
     output; ``frequency_penalty`` subtracts ``count_in_output * f``; ``presence_penalty`` subtracts
     ``p`` once for every token present in the output. ``suppress_token_ids[i]`` get ``-inf`` (used
-    for ``min_tokens``). Randomness is the counter-based noise of ``OP_SPECS["sample"]``, a
+    for ``min_tokens``). ``allowed_token_bitmask`` (API 1.10; None: no constraint) is int32
+    ``[S, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32`` set where row ``i`` may sample token
+    ``t`` (structured output's grammar): every other token gets ``-inf`` after the penalties and
+    suppression, so it is never sampled; a row with no constraint has every bit set
+    (``pack_token_bitmask``). Raw logprobs, ranks and top logprobs stay those of the unmasked
+    model distribution, as with suppression. Randomness is the counter-based noise of ``OP_SPECS["sample"]``, a
     function of ``(seeds[i], steps[i], token id)`` only, so a seeded row gives the same token
     whatever else is in the batch. Seeds are in ``[0, 2**63)``; a step enters by its low 32 bits.
     """
@@ -131,6 +136,7 @@ class SamplingBatch:
     output_token_ids: list[np.ndarray]  # per row, for all three penalties
     suppress_token_ids: list[np.ndarray]  # per row
     num_logprobs: int = 0  # top logprobs to return per row (0: only the sampled token's)
+    allowed_token_bitmask: np.ndarray | None = None  # int32 [S, ceil(V/32)] (API 1.10)
 
     @property
     def needs_penalties(self) -> bool:
@@ -139,6 +145,27 @@ class SamplingBatch:
             or np.any(self.frequency_penalty != 0)
             or np.any(self.repetition_penalty != 1)
         )
+
+
+def token_bitmask_words(vocab: int) -> int:
+    """Words (int32) of one row of a token bitmask over ``vocab`` tokens."""
+    return (vocab + 31) // 32
+
+
+def pack_token_bitmask(allowed: np.ndarray) -> np.ndarray:
+    """Bool ``[S, V]`` (True: may be sampled) as ``SamplingBatch.allowed_token_bitmask``."""
+    rows, vocab = allowed.shape
+    padded = np.zeros((rows, token_bitmask_words(vocab) * 32), dtype=bool)
+    padded[:, :vocab] = allowed
+    bits = np.packbits(padded.reshape(rows, -1, 32), axis=-1, bitorder="little")  # [S, W, 4] bytes
+    return np.ascontiguousarray(bits).view("<u4").reshape(rows, -1).view(np.int32)
+
+
+def unpack_token_bitmask(words: np.ndarray, vocab: int) -> np.ndarray:
+    """``allowed_token_bitmask`` back to bool ``[S, V]``."""
+    rows = words.shape[0]
+    as_bytes = np.ascontiguousarray(words.astype("<i4")).view(np.uint8).reshape(rows, -1)
+    return np.unpackbits(as_bytes, axis=-1, bitorder="little")[:, :vocab].astype(bool)
 
 
 @dataclass

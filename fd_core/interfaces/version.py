@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.9.0"
+API_VERSION = "1.10.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -27,6 +27,8 @@ API_VERSION = "1.9.0"
 # 1.8: the optional pack_experts op, paired with moe by name (a backend's stacked expert form,
 #      made once at load)
 # 1.9: Platform.default_dtype (optional): what --dtype auto (now the default) means there
+# 1.10: SamplingBatch.allowed_token_bitmask: sample and sample_async leave out the tokens a
+#      row's packed bitmask clears (structured output)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

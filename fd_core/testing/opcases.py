@@ -22,6 +22,7 @@ from fd_core.interfaces import (
     Memory,
     SampleOutput,
 )
+from fd_core.interfaces.ops import pack_token_bitmask
 from fd_core.plugins.ops import op_context
 from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.kv_cache import KV_QUANTIZED, quantized_cache
@@ -273,6 +274,25 @@ def sampling_batch(case: OpCase, rng: np.random.Generator, rows: int, vocab: int
     if kind == "filters":
         return make_sampling_batch(rows, temperature=pick([0.0, 0.3, 1.0, 1.7]), top_k=pick([0, 1, 5, 40, vocab]),
                                    top_p=pick([1.0, 0.9, 0.5, 0.05]), min_p=pick([0.0, 0.05, 0.3]), **common)
+    if kind == "grammar":  # structured output: a token bitmask over filtered and penalised rows
+        batch = make_sampling_batch(rows, temperature=pick([0.0, 0.7, 1.3]), top_k=pick([0, 3, 40]),
+                                    top_p=pick([1.0, 0.8]), repetition_penalty=pick([1.0, 1.2]),
+                                    output_token_ids=tokens(10), suppress_token_ids=tokens(3), **common)
+        allowed = np.zeros((rows, vocab), dtype=bool)
+        allowed[0] = True  # a row without a grammar: every bit set
+        allowed[1] = False
+        allowed[1, int(rng.integers(0, vocab))] = True  # the grammar's only choice
+        allowed[2] = rng.random(vocab) < 0.05
+        allowed[2, vocab - 1] = True  # the last word's padding bits stay clear
+        for i in range(3, rows):
+            allowed[i] = rng.random(vocab) < (0.5, 0.1, 0.01)[i % 3]
+            allowed[i, int(rng.integers(0, vocab))] = True
+        for i, ids in enumerate(batch.suppress_token_ids):  # a grammar never leaves only suppressed ids
+            free = np.setdiff1d(np.flatnonzero(allowed[i]), ids)
+            if not len(free):
+                allowed[i, np.setdiff1d(np.arange(vocab), ids)[0]] = True
+        batch.allowed_token_bitmask = pack_token_bitmask(allowed)
+        return batch
     return make_sampling_batch(  # penalties and suppression, greedy and random rows
         rows, temperature=pick([0.0, 0.8]), presence_penalty=pick([0.0, 0.5, -0.3]),
         frequency_penalty=pick([0.0, 0.2]), repetition_penalty=pick([1.0, 1.3, 0.8]),
@@ -428,7 +448,7 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                             renormalize=True, experts_quantized=method))
         for op in ("sample", "sample_async"):
             for kind, rows, vocab, logprobs in [("greedy", 5, 1000, 0), ("filters", 8, 1000, 5),
-                                                ("penalties", 8, 300, 1)]:
+                                                ("penalties", 8, 300, 1), ("grammar", 8, 1003, 3)]:
                 add(op, f"{kind} logits[{rows}, {vocab}]" + (f" top {logprobs} logprobs" if logprobs else ""),
                     params=dict(kind=kind, rows=rows, vocab=vocab, logprobs=logprobs))
     return [c for c in out if ops is None or c.op in ops]

@@ -16,6 +16,7 @@ from fd_core.interfaces.ops import (
     QuantizedWeight,
     SampleOutput,
     SamplingBatch,
+    unpack_token_bitmask,
 )
 
 # dequantize: the matrix a QuantizedWeight stands for, one function for the spec and the loaders
@@ -409,6 +410,8 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
     x = apply_penalties(logits, batch)
     for i, ids in enumerate(batch.suppress_token_ids):
         x[i, ids] = -np.inf
+    if batch.allowed_token_bitmask is not None:
+        x[~unpack_token_bitmask(batch.allowed_token_bitmask, vocab)] = -np.inf
 
     tokens = np.zeros(num_rows, dtype=np.int64)
     for i in range(num_rows):

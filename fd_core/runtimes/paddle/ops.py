@@ -22,6 +22,7 @@ from fd_core.interfaces.ops import (
     QuantizedWeight,
     SampleOutput,
     SamplingBatch,
+    unpack_token_bitmask,
 )
 from fd_core.quantization.kv_cache import (
     KV_QUANTIZED,
@@ -406,6 +407,12 @@ def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     return out.reshape([num_rows, vocab])
 
 
+def _disallow(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """``x`` with every token the row's ``allowed_token_bitmask`` leaves out at -inf."""
+    allowed = unpack_token_bitmask(batch.allowed_token_bitmask, x.shape[1])
+    return paddle.where(_upload(allowed, x.place), x, paddle.full_like(x, float("-inf")))
+
+
 def _row_sum(x: Tensor) -> Tensor:
     """Row sums of a float32 ``[S, V]`` as ``[S, 1]``.
 
@@ -510,6 +517,8 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     x = apply_penalties(raw, batch) if batch.needs_penalties else raw
     if any(len(t) for t in batch.suppress_token_ids):
         x = _suppress(x, batch)
+    if batch.allowed_token_bitmask is not None:
+        x = _disallow(x, batch)
 
     if greedy.all():  # the common fast path: no sorting, no noise
         tokens = paddle.argmax(x, axis=-1, keepdim=True)

@@ -595,6 +595,8 @@ def sample_async(
     x = torch_ops.apply_penalties(raw, batch) if batch.needs_penalties else raw
     if any(len(t) for t in batch.suppress_token_ids):
         x = torch_ops.suppress(x, batch)
+    if batch.allowed_token_bitmask is not None:  # structured output's grammar
+        x = torch_ops.disallow(x, batch)
     x = x.contiguous()
 
     top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
