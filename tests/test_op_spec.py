@@ -42,7 +42,8 @@ def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
 
 def test_every_op_has_a_spec_a_reference_and_a_tolerance():
     required = {name for name, s in OP_SPECS.items() if not s.optional}
-    assert set(REFERENCE_OPS) == required and set(OP_SPECS) == set(TOLERANCES)
+    # token_logprobs is optional for a backend, which falls back to the reference's
+    assert set(REFERENCE_OPS) == required | {"token_logprobs"} and set(OP_SPECS) == set(TOLERANCES)
     assert all(callable(getattr(spec, name)) for name in OP_SPECS)
 
 
@@ -611,6 +612,49 @@ def test_sample_top_ids_ties_go_to_the_lower_id():
     expected, actual = both(flat, make_sampling_batch(2, temperature=[0.0, 0.0], num_logprobs=3))
     np.testing.assert_array_equal(expected.top_ids, [[0, 1, 2], [4999, 0, 1]])
     assert_same_output(expected, actual)
+
+
+# --- token_logprobs -----------------------------------------------------------------------------
+
+
+def scored(logits: np.ndarray, token_ids: np.ndarray, k: int):
+    return spec.token_logprobs(logits, token_ids, k), REFERENCE_OPS["token_logprobs"](pd(logits), pd(token_ids), k)
+
+
+@pytest.mark.parametrize("num_rows, vocab, k", [(1, 10, 0), (7, 1000, 3), (3, 49152, 20)])
+def test_token_logprobs_from_first_principles(num_rows, vocab, k):
+    rng = np.random.default_rng(vocab + k)
+    logits = randn(rng, num_rows, vocab) * 3
+    ids = rng.integers(0, vocab, num_rows).astype(np.int64)
+    raw = log_softmax64(logits)
+    rows = np.arange(num_rows)
+    for out in scored(logits, ids, k):
+        np.testing.assert_array_equal(out.token_ids, ids)
+        np.testing.assert_allclose(out.logprobs, raw[rows, ids], **TOLERANCES["token_logprobs"])
+        np.testing.assert_array_equal(out.ranks, 1 + (raw > raw[rows, ids][:, None]).sum(1))
+        np.testing.assert_array_equal(out.top_ids, np.argsort(-raw, axis=1)[:, :k])
+        np.testing.assert_allclose(out.top_logprobs, np.sort(raw, axis=1)[:, ::-1][:, :k],
+                                   **TOLERANCES["token_logprobs"])
+    assert_same_output(*scored(logits, ids, k))
+
+
+def test_token_logprobs_report_what_sample_reports_of_its_tokens():
+    """Given the tokens ``sample`` drew, the scores are its logprobs, ranks and top logprobs,
+    whatever filters and penalties steered the draw (both report the raw distribution)."""
+    rng = np.random.default_rng(4)
+    logits = randn(rng, 9, 700) * 2
+    batch = random_batch(rng, 9, 700)
+    batch.num_logprobs = 4
+    drawn = spec.sample(logits, batch)
+    for out in scored(logits, drawn.token_ids, 4):
+        assert_same_output(drawn, out)
+
+
+def test_token_logprobs_ties():
+    logits = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]], dtype=np.float32)
+    for out in scored(logits, np.array([2, 3]), 2):
+        np.testing.assert_array_equal(out.ranks, [2, 4])  # ties share the worse rank
+        np.testing.assert_array_equal(out.top_ids, [[1, 2], [0, 1]])  # and go to the lower id
 
 
 def test_top_k_ties_unresolved():

@@ -58,7 +58,8 @@ def paddle_runtime():
 
 
 def test_every_op_has_a_torch_reference():
-    assert set(REFERENCE_OPS) == {name for name, s in OP_SPECS.items() if not s.optional}
+    # token_logprobs is optional for a backend, which falls back to the reference's
+    assert set(REFERENCE_OPS) == {name for name, s in OP_SPECS.items() if not s.optional} | {"token_logprobs"}
     assert set(OP_SPECS) == set(TOLERANCES)
 
 
@@ -532,6 +533,24 @@ def test_sample_ties_rank_and_top_ids_like_the_spec(paddle_runtime):
     flat[1, 4999] = 1.0
     out = check_sample(flat, make_sampling_batch(2, temperature=[0.0, 0.0], num_logprobs=3), paddle_runtime)
     np.testing.assert_array_equal(out.top_ids, [[0, 1, 2], [4999, 0, 1]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_logprobs_match_spec_and_paddle(dtype, paddle_runtime):
+    """Tied rows included; in bfloat16 the spec runs on the rounded logits, as the kit does."""
+    rng = np.random.default_rng(21)
+    logits = randn(rng, 7, 900) * 3
+    logits[1::2] = np.round(logits[1::2])
+    tensor = th(logits).to(getattr(torch, dtype))
+    ids = rng.integers(0, 900, 7).astype(np.int64)
+    for k in (0, 4):
+        actual = REFERENCE_OPS["token_logprobs"](tensor, th(ids), k)
+        assert_same_output(spec.token_logprobs(host(tensor), ids, k), actual)
+        if dtype == "float32":
+            import paddle
+
+            theirs = paddle_runtime.REFERENCE_OPS["token_logprobs"](paddle.to_tensor(logits), paddle.to_tensor(ids), k)
+            assert_same_output(theirs, actual)
 
 
 def test_penalties_match_spec():

@@ -364,5 +364,22 @@ OP_SPECS: dict[str, OpSpec] = {
             """,
             optional=True,
         ),
+        _spec(
+            "token_logprobs",
+            "token_logprobs(logits: T[Q, V], token_ids: T[Q] int64, num_logprobs: int) -> SampleOutput",
+            """
+            Optional (1.11). The log-probabilities of given tokens, as ``sample`` reports those of
+            the tokens it draws: for each row ``q``, in float32, ``logprobs[q] =
+            log_softmax(logits[q])[token_ids[q]]``, ``ranks[q]`` the number of tokens whose logit is
+            >= that token's (ties share the worse rank), ``top_ids`` / ``top_logprobs [Q,
+            num_logprobs]`` the best logprobs of the row, best first, ties to the lower id, and
+            ``token_ids`` the ids given, on the host. No penalty, filter or temperature applies:
+            these are the raw model distribution's. The engine calls it for a request's
+            ``prompt_logprobs`` (the logits of prompt position ``p`` scoring prompt token
+            ``p + 1``), in slices of at most ``max_num_seqs`` rows, after the step's ``sample``;
+            without it the engine refuses ``prompt_logprobs``. Every runtime's reference has it.
+            """,
+            optional=True,
+        ),
     ]
 }

@@ -324,10 +324,22 @@ def _sample(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     _compare_samples(case, impl, got, spec.sample(lh, batch))
 
 
+def _token_logprobs(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    rows, vocab, k = case.params["rows"], case.params["vocab"], case.params["logprobs"]
+    rng = _rng(case)
+    x = _randn(rng, rows, vocab, scale=2.0)
+    x[1::2] = np.round(x[1::2])  # rows of many equal logits: ranks and top ids decide ties
+    logits, lh = dev.put(x)
+    ids = rng.integers(0, vocab, rows).astype(np.int64)
+    ids[0] = np.argmax(lh[0])  # a token that is its row's best
+    tokens, ih = dev.put(ids)
+    _compare_samples(case, impl, fn(logits, tokens, k), spec.token_logprobs(lh, ih, k))
+
+
 RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "rotary": _rotary, "linear": _linear,
     "silu_and_mul": _silu_and_mul, "attention": _attention, "moe": _moe, "sample": _sample,
-    "sample_async": _sample,
+    "sample_async": _sample, "token_logprobs": _token_logprobs,
 }
 
 
@@ -451,4 +463,7 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                                                 ("penalties", 8, 300, 1), ("grammar", 8, 1003, 3)]:
                 add(op, f"{kind} logits[{rows}, {vocab}]" + (f" top {logprobs} logprobs" if logprobs else ""),
                     params=dict(kind=kind, rows=rows, vocab=vocab, logprobs=logprobs))
+        for rows, vocab, logprobs in [(1, 1000, 0), (37, 1000, 5), (6, 1003, 20)]:
+            add("token_logprobs", f"logits[{rows}, {vocab}] top {logprobs} logprobs, tied rows",
+                params={"rows": rows, "vocab": vocab, "logprobs": logprobs})
     return [c for c in out if ops is None or c.op in ops]

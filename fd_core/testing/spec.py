@@ -39,6 +39,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "moe": {"rtol": 1e-4, "atol": 1e-4},
     "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
     "sample_async": {"rtol": 1e-5, "atol": 1e-5},  # its result(), as sample's
+    "token_logprobs": {"rtol": 1e-5, "atol": 1e-5},  # as sample's: ids and ranks exact
     "pack_linear": {"rtol": 0.0, "atol": 0.0},  # tested through linear: what it returns is private
     "pack_experts": {"rtol": 0.0, "atol": 0.0},  # tested through moe, as pack_linear is
 }
@@ -79,7 +80,7 @@ def tolerance(op: str, dtype: str = "float32", quantization: str | None = None) 
     operand dtype, as attention its probabilities."""
     if op in ("linear", "moe") and quantization:
         return QUANTIZED_LINEAR_TOLERANCE
-    if dtype == "float32" or op in ("embedding", "sample", "sample_async"):
+    if dtype == "float32" or op in ("embedding", "sample", "sample_async", "token_logprobs"):
         return TOLERANCES[op]
     table = HALF_ATTENTION_TOLERANCES if op in ("attention", "moe") else HALF_TOLERANCES
     if dtype not in table:
@@ -428,10 +429,16 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
         noise = sampling_noise(batch.seeds[i : i + 1], batch.steps[i : i + 1], vocab)[0]
         tokens[i] = np.argmax(probs / noise)
 
-    rows = np.arange(num_rows)
+    return _scored(scores, raw, tokens, batch.num_logprobs)
+
+
+def _scored(scores: np.ndarray, raw: np.ndarray, tokens: np.ndarray, num_logprobs: int) -> SampleOutput:
+    """The raw logprob and rank of each row's token, and the row's ``num_logprobs`` best,
+    given the float32 logits ``scores`` and their log-softmax ``raw``."""
+    rows = np.arange(len(tokens))
     chosen = raw[rows, tokens]
     ranks = np.sum(scores >= scores[rows, tokens][:, None], axis=1).astype(np.int64)
-    top_ids = np.argsort(-scores, axis=1, kind="stable")[:, : batch.num_logprobs].astype(np.int64)
+    top_ids = np.argsort(-scores, axis=1, kind="stable")[:, :num_logprobs].astype(np.int64)
     return SampleOutput(
         token_ids=tokens,
         logprobs=chosen.astype(np.float32),
@@ -439,6 +446,15 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
         top_ids=top_ids,
         top_logprobs=np.take_along_axis(raw, top_ids, axis=1).astype(np.float32),
     )
+
+
+def token_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_logprobs: int) -> SampleOutput:
+    """What ``sample`` reports of a token, for tokens given instead of drawn (a prompt's):
+    log-softmax in float32 with no penalty or filter, the rank among the raw logits (ties share
+    the worse rank), the ``num_logprobs`` best with ties to the lower id."""
+    scores = logits.astype(np.float32)
+    return _scored(scores, _log_softmax(scores).astype(np.float32), np.asarray(token_ids, dtype=np.int64),
+                   num_logprobs)
 
 
 class SampledOnHost:

@@ -534,19 +534,27 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
             token_ids[greedy] = paddle.argmax(x, axis=-1).numpy()[greedy]
         tokens = _upload(token_ids[:, None], x.place)
 
+    # Greedy on unmodified logits picked the row max already.
+    return _scored(raw, tokens, token_ids, batch.num_logprobs, at_max=x is raw and greedy.all())
+
+
+def _scored(raw: Tensor, tokens: Tensor, token_ids: np.ndarray, num_logprobs: int,
+            at_max: bool = False) -> SampleOutput:
+    """The raw logprob and rank of each row's token (``tokens [R, 1]`` on the device,
+    ``token_ids`` the same on the host) and the row's ``num_logprobs`` best; ``at_max``: every
+    row's token holds its row's largest logit."""
     chosen = paddle.take_along_axis(raw, tokens, axis=-1)
-    # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU.
-    # Greedy on unmodified logits picked the row max already, so it can shift by that.
-    untouched_greedy = x is raw and greedy.all()
-    shift = chosen if untouched_greedy else paddle.max(raw, axis=-1, keepdim=True)
+    # Raw logprobs without F.log_softmax, which is pathologically slow over a 50k vocab on CPU;
+    # the shift by a known row max saves a reduction.
+    shift = chosen if at_max else paddle.max(raw, axis=-1, keepdim=True)
     lse = shift + paddle.log(_row_sum(paddle.exp(raw - shift)))
     # Ranked on raw logits: the order of the logprobs, with no rounding in between.
     ranks = _row_sum((raw >= chosen).astype(_F32))
-    if batch.num_logprobs > 0:
-        top_ids, top_logprobs = _top_logprobs(raw, lse, batch.num_logprobs)
+    if num_logprobs > 0:
+        top_ids, top_logprobs = _top_logprobs(raw, lse, num_logprobs)
     else:
-        top_ids = np.zeros((num_rows, 0), dtype=np.int64)
-        top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
+        top_ids = np.zeros((len(token_ids), 0), dtype=np.int64)
+        top_logprobs = np.zeros((len(token_ids), 0), dtype=np.float32)
     return SampleOutput(
         token_ids=token_ids,
         logprobs=(chosen - lse).numpy().reshape(-1),
@@ -554,6 +562,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         top_ids=top_ids,
         top_logprobs=top_logprobs,
     )
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> SampleOutput:
+    return _scored(_f32(logits), token_ids.reshape([-1, 1]), token_ids.numpy().astype(np.int64), num_logprobs)
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -565,4 +577,5 @@ REFERENCE_OPS: dict[str, Callable] = {
     "attention": attention,
     "moe": moe,
     "sample": sample,
+    "token_logprobs": token_logprobs,
 }

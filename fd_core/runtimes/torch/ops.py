@@ -595,15 +595,21 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
             token_ids[greedy] = _host(torch.argmax(x, dim=-1))[greedy]
         tokens = upload(token_ids[:, None], device)
 
+    return _scored(raw, tokens, token_ids, batch.num_logprobs)
+
+
+def _scored(raw: Tensor, tokens: Tensor, token_ids: np.ndarray, num_logprobs: int) -> SampleOutput:
+    """The raw logprob and rank of each row's token (``tokens [R, 1]`` on the device,
+    ``token_ids`` the same on the host) and the row's ``num_logprobs`` best."""
     chosen = torch.gather(raw, -1, tokens)
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)
     # Ranked on raw logits: the order of the logprobs, with no rounding in between.
     ranks = torch.sum(raw >= chosen, dim=-1)
-    if batch.num_logprobs > 0:
-        top_ids, top_logprobs = _top_logprobs(raw, lse, batch.num_logprobs)
+    if num_logprobs > 0:
+        top_ids, top_logprobs = _top_logprobs(raw, lse, num_logprobs)
     else:
-        top_ids = np.zeros((num_rows, 0), dtype=np.int64)
-        top_logprobs = np.zeros((num_rows, 0), dtype=np.float32)
+        top_ids = np.zeros((len(token_ids), 0), dtype=np.int64)
+        top_logprobs = np.zeros((len(token_ids), 0), dtype=np.float32)
     return SampleOutput(
         token_ids=token_ids,
         logprobs=_host(chosen - lse).reshape(-1),
@@ -611,6 +617,10 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
         top_ids=top_ids,
         top_logprobs=top_logprobs,
     )
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: int) -> SampleOutput:
+    return _scored(_f32(logits), token_ids[:, None], _host(token_ids).astype(np.int64), num_logprobs)
 
 
 REFERENCE_OPS: dict[str, Callable] = {
@@ -622,4 +632,5 @@ REFERENCE_OPS: dict[str, Callable] = {
     "attention": attention,
     "moe": moe,
     "sample": sample,
+    "token_logprobs": token_logprobs,
 }
