@@ -115,6 +115,27 @@ def test_async_scheduling_gives_the_synchronous_outputs(async_cpu, model_dir, se
         assert async_steps == sync_steps
 
 
+@pytest.mark.parametrize("setting", ["chunked", "preempt-recompute"])
+def test_prompt_logprobs_are_those_of_the_synchronous_engine(async_cpu, model_dir, setting):
+    """A step's prompt scores come back when it is queued, before the first token they go with
+    is read; prompt chunks beside decodes fed from the device, and preemptions, change nothing."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, async_scheduling=async_scheduling,
+                  **SETTINGS[setting])
+        results.append(llm.generate(prompts(12), params, use_tqdm=False))
+        assert llm.engine.core.async_scheduling == async_scheduling
+        assert llm.engine.pool.num_free == llm.engine.pool.capacity
+    assert HostFed.fed > 0
+    for sync, overlapped in zip(*results):
+        assert overlapped.outputs[0].token_ids == sync.outputs[0].token_ids
+        assert len(overlapped.prompt_logprobs) == len(sync.prompt_logprobs) == len(sync.prompt_token_ids)
+        for a, b in zip(sync.prompt_logprobs[1:], overlapped.prompt_logprobs[1:]):
+            assert a.keys() == b.keys() and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            np.testing.assert_allclose([x.logprob for x in b.values()], [x.logprob for x in a.values()], rtol=1e-5)
+
+
 def test_stops_mid_flight_drop_the_extra_token(async_cpu, model_dir):
     """A stop id ends a sequence on a token read one step late: the step already queued for it
     is wasted, its token never shows, and its blocks are freed."""

@@ -3,8 +3,9 @@
 The fake has the interface of ``fd_core.engine.client.AsyncEngineClient``: a byte-level
 tokenizer (id = byte + 3), and a generator that writes ``"abcdefghij..."`` one character per
 token (choice ``i`` starts ``i`` letters later), honours max_tokens, stop strings, EOS-free
-generation and logprobs, and records aborts, so what the server does with each field can be
-checked exactly. A toy prefix cache (whole blocks of ``BLOCK`` tokens, keyed by the cache salt
+generation, logprobs and prompt logprobs (each prompt token at -1.5, rank 7, its top k
+``"B", "C", ...`` at -0.5 each rank), and records aborts, so what the server does with each
+field can be checked exactly. A toy prefix cache (whole blocks of ``BLOCK`` tokens, keyed by the cache salt
 and the tokens before them, the prompt's last token never matched) reports
 ``num_cached_tokens`` as the real engine does.
 """
@@ -130,6 +131,9 @@ class FakeEngineClient:
                 raise self.fail_with
             limit = min(params.max_tokens or 10**9, self.max_model_len - len(prompt_token_ids))
             outs = [_Seq(i) for i in range(params.n)]
+            scores = None
+            if params.prompt_logprobs is not None:
+                scores = [None] + [self._prompt_entry(t, params.prompt_logprobs) for t in prompt_token_ids[1:]]
             while not all(o.finish for o in outs):
                 if self.delay:
                     try:
@@ -166,12 +170,18 @@ class FakeEngineClient:
                     [CompletionOutput(o.index, o.text, list(o.ids), -0.25 * len(o.ids),
                                       list(o.logprobs) if params.logprobs is not None else None, o.finish)
                      for o in outs],
-                    finished=done, num_cached_tokens=num_cached)
+                    finished=done, num_cached_tokens=num_cached, prompt_logprobs=scores)
             finished = True
         finally:
             self.active.discard(request_id)
             if not finished:
                 self.aborted.add(request_id)
+
+    def _prompt_entry(self, token: int, k: int) -> dict[int, Logprob]:
+        entry = {token: Logprob(-1.5, 7, self.tokenizer.decode([token]))}
+        for r in range(1, k + 1):
+            entry[ord("A") + r + 3] = Logprob(-0.5 * r, r, chr(ord("A") + r))
+        return entry
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.active:
@@ -415,7 +425,108 @@ def test_completion_echo_and_logprobs(http):
     assert lp["token_logprobs"] == [-0.25] * 3
     assert lp["top_logprobs"][0] == {"a": -0.25, "C": -2.0}
     assert lp["text_offset"] == [0, 1, 2]
-    assert_error(complete(http, echo=True, logprobs=1), 400, param="echo")
+
+
+def test_completion_echo_with_logprobs_starts_with_the_prompt(http):
+    """As OpenAI's legacy completions: the prompt's tokens first, the first without a logprob,
+    text offsets running on through the completion's."""
+    r = complete(http, prompt="hey", echo=True, logprobs=1, max_tokens=2)
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == "heyab" and "prompt_logprobs" not in choice
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["", "h", "e", "y", "a", "b"]  # the BOS decodes to nothing here
+    assert lp["token_logprobs"] == [None, -1.5, -1.5, -1.5, -0.25, -0.25]
+    assert lp["top_logprobs"] == [None, {"B": -0.5, "h": -1.5}, {"B": -0.5, "e": -1.5}, {"B": -0.5, "y": -1.5},
+                                  {"a": -0.25}, {"b": -0.25}]
+    assert lp["text_offset"] == [0, 0, 1, 2, 3, 4]
+    assert http.fake.requests[-1][2].prompt_logprobs == 1  # the engine was asked for them
+    # a token-id prompt, and prompt_logprobs beside: the engine computes the more of the two
+    r = complete(http, prompt=[3 + ord("h"), 3 + ord("i")], echo=True, logprobs=0, prompt_logprobs=2, max_tokens=1)
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == "hia" and choice["logprobs"]["tokens"] == ["h", "i", "a"]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"i": -1.5}, {"a": -0.25}]
+    assert http.fake.requests[-1][2].prompt_logprobs == 2
+    assert len(choice["prompt_logprobs"][1]) == 3
+
+
+def test_completion_prompt_logprobs(http):
+    r = complete(http, prompt="hi", prompt_logprobs=2, max_tokens=1, n=2)
+    h, i = 3 + ord("h"), 3 + ord("i")
+    want = [None,
+            {str(h): {"logprob": -1.5, "rank": 7, "decoded_token": "h"},
+             str(3 + ord("B")): {"logprob": -0.5, "rank": 1, "decoded_token": "B"},
+             str(3 + ord("C")): {"logprob": -1.0, "rank": 2, "decoded_token": "C"}},
+            {str(i): {"logprob": -1.5, "rank": 7, "decoded_token": "i"},
+             str(3 + ord("B")): {"logprob": -0.5, "rank": 1, "decoded_token": "B"},
+             str(3 + ord("C")): {"logprob": -1.0, "rank": 2, "decoded_token": "C"}}]
+    assert [c["prompt_logprobs"] for c in r.json()["choices"]] == [want, want]  # each choice, as vLLM
+    assert [c["logprobs"] for c in r.json()["choices"]] == [None, None]
+    r = complete(http, prompt="hi", max_tokens=1)
+    assert "prompt_logprobs" not in r.json()["choices"][0]  # not asked, not there
+
+
+def test_completion_stream_sends_the_prompt_part_first(http):
+    # "é" is two bytes, two tokens that each decode to U+FFFD: the offsets count the tokens'
+    # texts (as vLLM's), not the prompt's characters
+    r = complete(http, prompt=["hey", "yé"], stream=True, max_tokens=2, echo=True, logprobs=0, prompt_logprobs=1)
+    chunks = events(r)[:-1]
+    by_choice: dict[int, list[dict]] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+    for index, prompt, texts in ((0, "hey", ["", "h", "e", "y"]), (1, "yé", ["", "y", "\ufffd", "\ufffd"])):
+        first, *rest = by_choice[index]
+        assert first["text"] == prompt and len(first["prompt_logprobs"]) == len(texts)
+        assert first["logprobs"]["tokens"] == texts
+        assert first["logprobs"]["token_logprobs"] == [None] + [-1.5] * (len(texts) - 1)
+        assert all("prompt_logprobs" not in c for c in rest)
+        assert "".join(c["text"] for c in rest) == "ab"
+        offsets = [o for c in by_choice[index] for o in c["logprobs"]["text_offset"]]
+        assert offsets == [0, 0, 1, 2, 3, 4]  # "yé" is 2 characters, its tokens' texts 3
+    # prompt_logprobs alone: an empty first chunk carries them, then the text as usual
+    chunks = events(complete(http, prompt="hey", stream=True, max_tokens=2, prompt_logprobs=0))[:-1]
+    assert chunks[0]["choices"][0]["text"] == "" and len(chunks[0]["choices"][0]["prompt_logprobs"]) == 4
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "ab"
+
+
+def test_chat_prompt_logprobs(http):
+    """vLLM puts the chat endpoint's beside the choices; a stream, in its first chunk."""
+    r = chat(http, max_tokens=2, prompt_logprobs=0)
+    body = r.json()
+    _, ids, params = http.fake.requests[-1]
+    assert params.prompt_logprobs == 0
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == len(ids)
+    assert body["prompt_logprobs"][1] == {str(ids[1]): {"logprob": -1.5, "rank": 7, "decoded_token": "u"}}  # "<user>..."
+    assert "prompt_logprobs" not in chat(http, max_tokens=1).json()
+    chunks = events(chat(http, max_tokens=3, n=2, prompt_logprobs=1, stream=True))[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["prompt_logprobs"] == body["prompt_logprobs"][:1] + [
+        {**entry, str(3 + ord("B")): {"logprob": -0.5, "rank": 1, "decoded_token": "B"}}
+        for entry in body["prompt_logprobs"][1:]]
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == 0) \
+        == "abc"
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "at most 20"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "every token of the vocabulary"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs", None),
+    ({"prompt_logprobs": "3"}, "prompt_logprobs", None),
+    ({"prompt_logprobs": 2.5}, "prompt_logprobs", None),
+])
+def test_bad_prompt_logprobs_are_400(http, endpoint, body, param, message):
+    r = (chat if endpoint == "chat" else complete)(http, **body)
+    error = assert_error(r, 400, param=param)
+    if message is not None:
+        assert message in error["message"]
+    assert not http.fake.requests
+
+
+def test_echo_logprobs_over_the_cap_name_logprobs(http):
+    assert_error(complete(http, echo=True, logprobs=21), 400, param="logprobs")
+    assert not http.fake.requests
 
 
 def test_completion_stream(http):

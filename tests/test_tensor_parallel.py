@@ -47,6 +47,27 @@ def test_two_ranks_equal_one(tmp_path, make, params):
     assert tight == one
 
 
+def test_two_ranks_score_prompts_as_one(tmp_path):
+    """Prompt logprobs gather the ranks' vocabulary slices of every prompt position (each rank
+    joins the collectives of the logits; rank 0 scores them) over chunked prefill."""
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    outs = []
+    for world in (1, 2):
+        llm = LLM(model=str(model_dir), device="cpu", max_model_len=128, block_size=4, num_kv_blocks=512,
+                  max_num_batched_tokens=16, tensor_parallel_size=world)
+        try:
+            outs.append(llm.generate(prompts(), params, use_tqdm=False))
+        finally:
+            llm.engine.core.shutdown()
+    for one, two in zip(*outs):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        assert len(two.prompt_logprobs) == len(one.prompt_logprobs) == len(one.prompt_token_ids)
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose([x.logprob for x in b.values()], [x.logprob for x in a.values()], atol=1e-5)
+
+
 def test_vocabulary_slices_cover_every_token_once():
     vocab, hidden = 11, 3  # not a multiple of the world size: the last slice is padded
     weight = np.arange(vocab * hidden, dtype=np.float32).reshape(vocab, hidden)

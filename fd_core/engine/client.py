@@ -30,7 +30,13 @@ import zmq.asyncio
 
 from fd_core import errors
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.core import CoreOutput, check_cache_salt, check_params, check_prompt
+from fd_core.engine.core import (
+    CoreOutput,
+    PromptLogprobs,
+    check_cache_salt,
+    check_params,
+    check_prompt,
+)
 from fd_core.engine.core_process import (
     Abort,
     AddRequest,
@@ -78,6 +84,7 @@ class AsyncEngineClient:
         self.max_num_batched_tokens = 0
         self.chunked_prefill = True
         self.no_structured_output = ""  # from the core's Ready
+        self.no_prompt_logprobs = ""
         self.eos_token_ids: frozenset[int] = frozenset()
         self._proc = None
         self._dir = tempfile.mkdtemp(prefix="fd-")
@@ -143,6 +150,7 @@ class AsyncEngineClient:
         self.max_num_batched_tokens = ready.max_num_batched_tokens
         self.chunked_prefill = ready.chunked_prefill
         self.no_structured_output = ready.no_structured_output
+        self.no_prompt_logprobs = ready.no_prompt_logprobs
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._last_report = time.monotonic()
         self._processor = OutputProcessor(self.tokenizer)
@@ -192,7 +200,8 @@ class AsyncEngineClient:
 
     def check_params(self, params: SamplingParams) -> None:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
-        check_params(params, self.vocab_size, self.config.max_logprobs, self.no_structured_output)
+        check_params(params, self.vocab_size, self.config.max_logprobs, self.no_structured_output,
+                     self.no_prompt_logprobs)
 
     def report_age(self) -> float:
         """Seconds since the core last reported: it does after every step and, when idle, every
@@ -293,7 +302,8 @@ class AsyncEngineClient:
             if stream is not None:  # else it was aborted here while the core computed it
                 outputs.append(CoreOutput(stream.request_id, w.index, w.token_id, w.logprob, w.rank,
                                           w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens,
-                                          w.time_in_queue, w.prefill_time))
+                                          w.time_in_queue, w.prefill_time,
+                                          None if w.prompt_logprobs is None else PromptLogprobs(*w.prompt_logprobs)))
         results, stopped = self._processor.process(outputs, now=received)
         for request_id, index in stopped:  # stop strings end sequences on this side
             self._send(Abort(self._streams[request_id].wire_id, index), quiet=True)

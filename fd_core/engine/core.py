@@ -25,7 +25,7 @@ from fd_core.engine.config import (
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import describe, load_runner, open_checkpoint
-from fd_core.engine.model_runner import PLACEHOLDER, Launched
+from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
@@ -49,9 +49,20 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # odd constant so seed+index streams do not coll
 
 
 @dataclass
+class PromptLogprobs:
+    """A request's prompt tokens after the first, each scored given the tokens before it
+    (prompt_logprobs): its raw logprob and rank, and the best ``k`` of its position."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class CoreOutput:
     """What one step produced for one sequence: its new token (and its log-probabilities), and
-    whether the core ended the sequence (EOS, a stop token id, max_tokens, max_model_len)."""
+    whether the core ended the sequence (EOS, a stop token id, max_tokens, max_model_len).
+    A request's first sequence brings the prompt's logprobs with its first token, when asked."""
 
     request_id: str
     index: int
@@ -66,6 +77,7 @@ class CoreOutput:
     # to this token (the core's clock; the front end's latency metrics cannot see these events)
     time_in_queue: float | None = None
     prefill_time: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -100,21 +112,27 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
 
 
 def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS,
-                 no_structured_output: str = "") -> None:
+                 no_structured_output: str = "", no_prompt_logprobs: str = "") -> None:
     """Reject sampling parameters that name tokens the model does not have, ask for more
-    logprobs than the engine allows, or ask for structured output where it cannot run
-    (``no_structured_output``: why, "" where it can). SamplingParams cannot check these: it
-    knows neither the model, --max-logprobs nor the backend."""
+    logprobs than the engine allows, or ask for structured output or prompt logprobs where they
+    cannot run (``no_structured_output``, ``no_prompt_logprobs``: why, "" where they can).
+    SamplingParams cannot check these: it knows neither the model, --max-logprobs nor the
+    backend."""
     if params.structured_outputs is not None and no_structured_output:
         raise InvalidRequestError(f"structured output is unavailable: {no_structured_output}",
                                   param="structured_outputs")
+    if params.prompt_logprobs is not None and no_prompt_logprobs:
+        raise InvalidRequestError(f"prompt_logprobs is unavailable: {no_prompt_logprobs}", param="prompt_logprobs")
     bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
     if bad:
         raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}",
                                   param="stop_token_ids")
-    if params.logprobs is not None and params.logprobs > min(max_logprobs, vocab_size):
-        raise InvalidRequestError(f"logprobs {params.logprobs} is more than this engine returns: at most "
-                                  f"{min(max_logprobs, vocab_size)} (--max-logprobs)", param="logprobs")
+    most = min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name)
+        if asked is not None and asked > most:
+            raise InvalidRequestError(f"{name} {asked} is more than this engine returns: at most {most} "
+                                      f"(--max-logprobs)", param=name)
 
 
 def check_cache_salt(salt: object) -> None:
@@ -228,6 +246,8 @@ class EngineCore:
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
         self._no_masks: str | None = None  # why the sample ops cannot apply a bitmask; None: not asked yet
+        self._no_scores: str | None = None  # why prompt tokens cannot be scored; None: not asked yet
+        self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
@@ -296,7 +316,8 @@ class EngineCore:
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
         check_params(params, self.model_config.vocab_size, self.config.max_logprobs,
-                     self.no_structured_output() if params.structured_outputs else "")
+                     self.no_structured_output() if params.structured_outputs else "",
+                     self.no_prompt_logprobs() if params.prompt_logprobs is not None else "")
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         grammar = self._structured().matcher(params.structured_outputs) if params.structured_outputs else None
@@ -316,6 +337,10 @@ class EngineCore:
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
         seqs[0].forks = seqs[1:]
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_scored = 1  # the first token has no logprob
+            if seqs[0].owes_prompt_logprobs:
+                self._scoring.add(seqs[0])
         for child in seqs[1:]:
             child.fork_of = seqs[0]
         self.scheduler.add(seqs[0])
@@ -329,6 +354,12 @@ class EngineCore:
         if self._no_masks is None:
             self._no_masks = self.executor.masks_unsupported()
         return f"on the {self.platform.name} backend, {self._no_masks}" if self._no_masks else ""
+
+    def no_prompt_logprobs(self) -> str:
+        """Why this engine cannot return prompt logprobs ("" where it can)."""
+        if self._no_scores is None:
+            self._no_scores = self.executor.prompt_logprobs_unsupported()
+        return f"on the {self.platform.name} backend, {self._no_scores}" if self._no_scores else ""
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the
@@ -346,6 +377,7 @@ class EngineCore:
         for seq in seqs:
             if (index is None or seq.index == index) and not seq.finished:
                 self.scheduler.finish(seq)
+                self._scoring.discard(seq)
                 seq.status, seq.finish_reason, seq.grammar = Status.FINISHED, "abort", None
                 while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # never read
                     seq.output_token_ids.pop()
@@ -390,9 +422,11 @@ class EngineCore:
         self.stats["steps"] += 1
         self._account_step(out)
         grammars = self.grammars
+        score = bool(self._scoring)
         if not self.async_scheduling:
-            result = self.executor.execute(out.scheduled, grammars.fill if grammars else None)
+            result = self.executor.execute(out.scheduled, grammars.fill if grammars else None, score)
             self._advance(out, parents)
+            self._keep_scores(result.scored, result.prompt)
             return self._apply(result.sampled, result.output)
         previous = self._in_flight
         fill = None
@@ -405,7 +439,9 @@ class EngineCore:
                     outputs.extend(self._read(previous))
                     previous = None
                 grammars.fill(sampled, batch)
-        launched = self.executor.launch(out.scheduled, self._in_flight.launched if self._in_flight else None, fill)
+        launched = self.executor.launch(out.scheduled, self._in_flight.launched if self._in_flight else None, fill,
+                                        score)
+        self._keep_scores(launched.scored, launched.prompt)  # before the first token they go with
         slots = []
         for seq in launched.sampled:
             slots.append(len(seq.output_token_ids))
@@ -451,6 +487,34 @@ class EngineCore:
                 f"{c.max_num_batched_tokens}, {len(out.scheduled)} scheduled of {running} running with "
                 f"max_num_seqs={c.max_num_seqs}; this is a bug in fd")
 
+    def _keep_scores(self, scored: Scored, prompt: SampleOutput | None) -> None:
+        """Hold what a step scored of each prompt (prompt_logprobs) until its first token."""
+        row = 0
+        for seq, first, end in scored:
+            if first != seq.prompt_scored:
+                raise RuntimeError(f"prompt logprobs from token {first} of a sequence that has {seq.prompt_scored}; "
+                                   f"this is a bug in fd")
+            k = seq.params.prompt_logprobs
+            seq.prompt_scores.append((prompt.logprobs[row : row + end - first], prompt.ranks[row : row + end - first],
+                                      prompt.top_ids[row : row + end - first, :k],
+                                      prompt.top_logprobs[row : row + end - first, :k]))
+            seq.prompt_scored = end
+            if not seq.owes_prompt_logprobs:
+                self._scoring.discard(seq)
+            row += end - first
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> PromptLogprobs:
+        """What the steps scored of ``seq``'s prompt, as one (and no longer held)."""
+        if seq.owes_prompt_logprobs:
+            raise RuntimeError(f"a first token before prompt token {seq.prompt_scored} was scored; this is a bug in fd")
+        parts, seq.prompt_scores = seq.prompt_scores, []
+        if not parts:  # a one-token prompt
+            return PromptLogprobs([], [], [])
+        logprobs, ranks, top_ids, top_logprobs = (np.concatenate(column) for column in zip(*parts))
+        return PromptLogprobs(logprobs.tolist(), ranks.tolist(),
+                              [list(zip(i, lp)) for i, lp in zip(top_ids.tolist(), top_logprobs.tolist())])
+
     def _advance(self, out: SchedulerOutput, parents: list[ScheduledSeq]) -> None:
         self.scheduler.advance(out)
         copies = []
@@ -484,9 +548,12 @@ class EngineCore:
             top = list(zip(top_ids[row][:k], top_logprobs[row][:k])) if k else []
             output = CoreOutput(seq.request_id, seq.index, token, logprobs[row], ranks[row], top,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
-            if count == 1 and seq.scheduled_at is not None:
-                output.time_in_queue = seq.scheduled_at - seq.queued_at
-                output.prefill_time = time.monotonic() - seq.scheduled_at
+            if count == 1:
+                if seq.scheduled_at is not None:
+                    output.time_in_queue = seq.scheduled_at - seq.queued_at
+                    output.prefill_time = time.monotonic() - seq.scheduled_at
+                if seq.prompt_scored is not None:
+                    output.prompt_logprobs = self._prompt_logprobs(seq)
             ended = self.grammars.advance(seq.grammar, token) if seq.grammar is not None else None
             if (ended or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here

@@ -68,6 +68,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_num_batched_tokens: int  # as resolved against the backend
     chunked_prefill: bool
     no_structured_output: str  # why requests cannot be constrained ("" where they can)
+    no_prompt_logprobs: str = ""  # why prompt tokens cannot be scored ("" where they can)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -93,6 +94,8 @@ class WireOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this sequence
     time_in_queue: float | None = None  # on a sequence's first token (CoreOutput says what)
     prefill_time: float | None = None
+    # PromptLogprobs' fields (logprobs, ranks, top), with a request's first token when asked
+    prompt_logprobs: tuple[list[float], list[int], list[list[tuple[int, float]]]] | None = None
 
 
 class Stats(msgspec.Struct, array_like=True):
@@ -189,6 +192,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
             num_blocks=core.pool.capacity, max_num_batched_tokens=config.max_num_batched_tokens,
             chunked_prefill=config.enable_chunked_prefill, no_structured_output=core.no_structured_output(),
+            no_prompt_logprobs=core.no_prompt_logprobs(),
         )))
         try:
             _serve(core, inbox, outbox, encoder, parent_pid)
@@ -240,8 +244,10 @@ def _stats(core) -> Stats:
 
 
 def _wire(o) -> WireOutput:
+    p = o.prompt_logprobs
     return WireOutput(o.request_id, o.index, o.token_id, o.logprob, o.rank, o.top,
-                      o.finish_reason, o.stop_reason, o.num_cached_tokens, o.time_in_queue, o.prefill_time)
+                      o.finish_reason, o.stop_reason, o.num_cached_tokens, o.time_in_queue, o.prefill_time,
+                      None if p is None else (p.logprobs, p.ranks, p.top))
 
 
 def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,

@@ -40,6 +40,7 @@ from fd_core.engine.model_runner import (
     Feed,
     Launched,
     ModelRunner,
+    Scored,
     StepInputs,
     StepResult,
     prepare_inputs,
@@ -228,23 +229,30 @@ class Executor:
         if pairs:
             self._everywhere("copy_blocks", pairs)
 
-    def _step_inputs(self, scheduled: list[ScheduledSeq]) -> tuple[StepInputs, list[Sequence], SamplingBatch | None]:
-        inputs, sampled = prepare_inputs(scheduled, self.block_size)
-        return inputs, sampled, sampling_batch(sampled, self.eos_token_ids) if sampled else None
+    def prompt_logprobs_unsupported(self) -> str:
+        """Why the engine cannot score prompt tokens (prompt_logprobs; "" if it can)."""
+        return self._everywhere("scores_unsupported")
 
-    def execute(self, scheduled: list[ScheduledSeq], fill: Fill | None = None) -> StepResult:
+    def _step_inputs(self, scheduled: list[ScheduledSeq], score: bool
+                     ) -> tuple[StepInputs, list[Sequence], SamplingBatch | None, Scored]:
+        inputs, sampled = prepare_inputs(scheduled, self.block_size)
+        scored = inputs.score_prompts(scheduled) if score else []
+        return inputs, sampled, sampling_batch(sampled, self.eos_token_ids) if sampled else None, scored
+
+    def execute(self, scheduled: list[ScheduledSeq], fill: Fill | None = None, score: bool = False) -> StepResult:
         """Run a step and read its tokens. ``fill(sampled, batch)`` completes the sampling
         parameters (structured output's bitmask): here while the forward runs, before the
-        step is sent where the ranks are processes of their own."""
-        inputs, sampled, batch = self._step_inputs(scheduled)
+        step is sent where the ranks are processes of their own. ``score``: some sequence may
+        owe prompt logprobs (the steps of others look for none)."""
+        inputs, sampled, batch, scored = self._step_inputs(scheduled, score)
         if self.runner is not None:
             before = None if fill is None or batch is None else (lambda b: fill(sampled, b))
-            output = self.runner.step(inputs, batch, before)
+            output, prompt = self.runner.step(inputs, batch, before)
         else:
             if fill is not None and batch is not None:
                 fill(sampled, batch)
-            output = self._everywhere("step", inputs, batch)
-        return StepResult(sampled, output) if sampled else StepResult([], None)
+            output, prompt = self._everywhere("step", inputs, batch)
+        return StepResult(sampled, output if sampled else None, scored, prompt)
 
     @property
     def can_launch(self) -> bool:
@@ -252,12 +260,13 @@ class Executor:
         process, whose op table has ``sample_async``."""
         return self.runner is not None and self.runner.ops.has("sample_async")
 
-    def launch(self, scheduled: list[ScheduledSeq], previous: Launched | None, fill: Fill | None = None) -> Launched:
+    def launch(self, scheduled: list[ScheduledSeq], previous: Launched | None, fill: Fill | None = None,
+               score: bool = False) -> Launched:
         """Queue a step on the device and return before its tokens are read (``can_launch``).
         Input tokens still marked ``PLACEHOLDER`` on the host are taken on the device from
         ``previous``, the step launched just before, whose tokens the host has not read yet.
-        ``fill`` as ``execute``'s, called once the forward is queued."""
-        inputs, sampled, batch = self._step_inputs(scheduled)
+        ``fill`` and ``score`` as ``execute``'s, ``fill`` called once the forward is queued."""
+        inputs, sampled, batch, scored = self._step_inputs(scheduled, score)
         feed = None
         dest = np.flatnonzero(inputs.input_ids == PLACEHOLDER)
         if dest.size:
@@ -266,8 +275,8 @@ class Executor:
                               dtype=np.int64, count=dest.size)
             feed = Feed(previous.pending, dest, src)
         before = None if fill is None or batch is None else (lambda b: fill(sampled, b))
-        pending = self.runner.launch(inputs, batch, feed, before)
-        return Launched(sampled, pending, {s.seq_id: row for row, s in enumerate(sampled)})
+        pending, prompt = self.runner.launch(inputs, batch, feed, before)
+        return Launched(sampled, pending, {s.seq_id: row for row, s in enumerate(sampled)}, scored, prompt)
 
     def close(self) -> None:
         if self.workers is not None:
@@ -307,7 +316,7 @@ def _worker(rank: int, calls: str, replies: str) -> int:
                 else:
                     _, method, args = message
                     if method == "step" and rank != 0:
-                        args = (args[0], None)  # rank 0 samples; the others only compute
+                        args = (args[0], None, None, False)  # rank 0 samples and scores; the others only compute
                     result = getattr(runner, method)(*args)
             except Exception as exc:  # reported to rank 0, which stops the engine
                 log.exception("tensor-parallel rank %d failed", rank)

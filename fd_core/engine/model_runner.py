@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,14 +32,21 @@ from fd_core.interfaces import (
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+# (sequence, first, end): the step scored the sequence's prompt tokens first..end-1, in order
+Scored = list[tuple[Sequence, int, int]]
+
+
 @dataclass
 class StepResult:
     """Sampled tokens, one row per sequence in ``sampled``: the scheduled sequences whose step
     reached their end, each followed by the forks seated with it (they sample from the same
-    logits, each with its own seed)."""
+    logits, each with its own seed). ``prompt``: the prompt tokens the step scored
+    (prompt_logprobs), one row per token of ``scored``."""
 
     sampled: list[Sequence]
     output: SampleOutput | None
+    scored: Scored = field(default_factory=list)
+    prompt: SampleOutput | None = None
 
 
 PLACEHOLDER = -1  # an output token the host has not read yet (asynchronous scheduling)
@@ -53,6 +60,8 @@ class Launched:
     sampled: list[Sequence]
     pending: PendingSample | None
     rows: dict[int, int]
+    scored: Scored = field(default_factory=list)  # as StepResult's: already on the host
+    prompt: SampleOutput | None = None
 
 
 @dataclass
@@ -75,6 +84,38 @@ class StepInputs:
     positions: np.ndarray  # [N] int64
     meta: AttentionMetadata
     logit_rows: np.ndarray  # [R] int64: the hidden rows whose logits are sampled
+    # prompt_logprobs: the hidden rows whose logits score a prompt token, and that token
+    prompt_rows: np.ndarray = field(default_factory=_EMPTY.copy)  # [Q] int64
+    prompt_token_ids: np.ndarray = field(default_factory=_EMPTY.copy)  # [Q] int64
+    num_prompt_logprobs: int = 0  # the most top logprobs a scored sequence asks for
+
+    def score_prompts(self, scheduled: list[ScheduledSeq]) -> Scored:
+        """Add the rows that score the prompt tokens the ``scheduled`` sequences still owe
+        (``Sequence.prompt_scored``); returns which tokens of which sequence they score. The
+        logits of position p score prompt token p + 1, so a prompt's chunks (each with its
+        last position) score every token after the first; a position computed again after a
+        preemption by recompute scores nothing the sequence has already."""
+        rows, ids, scored, most = [], [], [], 0
+        starts = self.meta.query_start_loc
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if not seq.owes_prompt_logprobs:
+                continue
+            computed = seq.num_computed
+            first = max(computed + 1, seq.prompt_scored)
+            end = min(computed + s.num_new + 1, len(seq.prompt_token_ids))
+            if first >= end:
+                continue
+            offset = int(starts[i]) - computed - 1  # the row of the position before token t: t + offset
+            rows.append(np.arange(first + offset, end + offset, dtype=np.int64))
+            ids += seq.prompt_token_ids[first:end]
+            scored.append((seq, first, end))
+            most = max(most, seq.params.prompt_logprobs)
+        if scored:
+            self.prompt_rows = np.concatenate(rows)
+            self.prompt_token_ids = np.asarray(ids, dtype=np.int64)
+            self.num_prompt_logprobs = most
+        return scored
 
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
@@ -156,6 +197,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[Any, Any]] = []
         self.host_caches: list[tuple[Any, Any]] = []  # swap space
         self.forward = model.forward
+        self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
         if wrap is not None and not enforce_eager:
             # a hook written for API 1.0/1.1 takes the forward alone
@@ -172,6 +214,10 @@ class ModelRunner:
     def masks_unsupported(self) -> str:
         """Why this rank's sample ops cannot apply structured output's bitmask ("" if they can)."""
         return self.ops.lacks("sample", "1.10") or self.ops.lacks("sample_async", "1.10")
+
+    def scores_unsupported(self) -> str:
+        """Why this rank cannot score prompt tokens (prompt_logprobs; "" if it can)."""
+        return "" if self.ops.has("token_logprobs") else "its op table has no token_logprobs op"
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
@@ -218,23 +264,26 @@ class ModelRunner:
         free, total = self.memory.memory_info()
         return free, total, peak
 
-    def run(self, inputs: StepInputs, eager: bool = False, feed: Feed | None = None) -> Any:
-        """Forward over the step and the logits of its sampling rows (None if there are none).
-        Every rank of a tensor-parallel model runs this with the same inputs. ``eager``: the
-        model's own forward, not a hook's replacement. ``feed``: input ids still on the device
-        (``Feed``), written over the placeholders of ``inputs.input_ids``."""
-        n, rows = len(inputs.input_ids), len(inputs.logit_rows)
+    def _forward(self, inputs: StepInputs, eager: bool, feed: Feed | None) -> tuple[Any, Any]:
+        """The step's hidden states, and its int64 inputs on the device: input ids, positions,
+        logit rows, then the prompt rows and the tokens they score, then the feed's."""
+        n, rows, scored = len(inputs.input_ids), len(inputs.logit_rows), len(inputs.prompt_rows)
         parts = [self.model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
+        if scored:
+            parts += [inputs.prompt_rows, inputs.prompt_token_ids]
         if feed is not None:
             parts += [feed.dest, feed.src]
         # one upload for all the int64 arrays (a host-to-device copy costs ~10-30 us on a GPU)
         packed = self.memory.from_numpy(np.concatenate(parts))
         ids = packed[:n]
         if feed is not None:
-            k = len(feed.dest)
-            ids = feed.tokens.feed(ids, packed[2 * n + rows : 2 * n + rows + k], packed[2 * n + rows + k :])
+            k, at = len(feed.dest), 2 * n + rows + 2 * scored
+            ids = feed.tokens.feed(ids, packed[at : at + k], packed[at + k :])
         forward = self.model.forward if eager else self.forward
-        hidden = forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta)
+        return forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta), packed
+
+    def _logits(self, inputs: StepInputs, hidden: Any, packed: Any) -> Any:
+        n, rows = len(inputs.input_ids), len(inputs.logit_rows)
         if not rows:
             return None
         if rows == n and inputs.logit_rows[0] == 0 and (np.diff(inputs.logit_rows) == 1).all():
@@ -242,29 +291,69 @@ class ModelRunner:
             return self.model.compute_logits(hidden, None)
         return self.model.compute_logits(hidden, packed[2 * n : 2 * n + rows])
 
-    def step(self, inputs: StepInputs, batch: SamplingBatch | None,
-             before_sample: Callable[[SamplingBatch], None] | None = None) -> SampleOutput | None:
-        """``run``, then sample the logits with ``batch`` (a tensor-parallel rank other than 0
-        is given None: it only takes part in the forward's collectives). ``before_sample``
-        completes ``batch`` once the forward is queued (structured output's bitmask: on a
-        device that computes asynchronously, the host fills it while the forward runs)."""
-        logits = self.run(inputs)
-        if batch is None or logits is None:
+    def _score_prompts(self, inputs: StepInputs, hidden: Any, packed: Any, lead: bool) -> SampleOutput | None:
+        """The prompt tokens of ``inputs.prompt_rows`` scored (``token_logprobs``), by rank 0
+        (``lead``); the other ranks only take part in the logits' collectives. In slices of
+        at most max_num_seqs rows: a prompt chunk's logits would otherwise be [tokens, V], far
+        more than the most a step samples, which is what profiling sized the KV cache beside."""
+        scored = len(inputs.prompt_rows)
+        if not scored:
             return None
-        if before_sample is not None:
-            before_sample(batch)
-        return self.ops.sample(logits, batch)
+        at = 2 * len(inputs.input_ids) + len(inputs.logit_rows)
+        rows, ids = packed[at : at + scored], packed[at + scored : at + 2 * scored]
+        parts = []
+        for start in range(0, scored, self.score_rows):
+            end = min(start + self.score_rows, scored)
+            logits = self.model.compute_logits(hidden, rows[start:end])
+            if lead:
+                parts.append(self.ops.token_logprobs(logits, ids[start:end], inputs.num_prompt_logprobs))
+        return join_outputs(parts) if lead else None
+
+    def run(self, inputs: StepInputs, eager: bool = False, feed: Feed | None = None) -> Any:
+        """Forward over the step and the logits of its sampling rows (None if there are none).
+        Every rank of a tensor-parallel model runs this with the same inputs. ``eager``: the
+        model's own forward, not a hook's replacement. ``feed``: input ids still on the device
+        (``Feed``), written over the placeholders of ``inputs.input_ids``."""
+        return self._logits(inputs, *self._forward(inputs, eager, feed))
+
+    def step(self, inputs: StepInputs, batch: SamplingBatch | None,
+             before_sample: Callable[[SamplingBatch], None] | None = None,
+             lead: bool = True) -> tuple[SampleOutput | None, SampleOutput | None]:
+        """``run``, then sample the logits with ``batch``, then score the prompt rows: the
+        step's sample and prompt scores. A tensor-parallel rank other than 0 (not ``lead``,
+        given no batch) only takes part in the collectives. ``before_sample`` completes
+        ``batch`` once the forward is queued (structured output's bitmask: on a device that
+        computes asynchronously, the host fills it while the forward runs)."""
+        return self._step(inputs, batch, None, before_sample, self.ops.sample, lead)
 
     def launch(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None = None,
-               before_sample: Callable[[SamplingBatch], None] | None = None) -> PendingSample | None:
+               before_sample: Callable[[SamplingBatch], None] | None = None
+               ) -> tuple[PendingSample | None, SampleOutput | None]:
         """``step`` without waiting for the tokens (the op table's ``sample_async``): the
-        device may still be computing when this returns."""
-        logits = self.run(inputs, feed=feed)
-        if batch is None or logits is None:
-            return None
-        if before_sample is not None:
-            before_sample(batch)
-        return self.ops.sample_async(logits, batch)
+        device may still be computing when this returns, unless the step scores prompt
+        tokens (their scores come back to the host, after the sample is queued)."""
+        return self._step(inputs, batch, feed, before_sample, self.ops.sample_async, True)
+
+    def _step(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None,
+              before_sample: Callable[[SamplingBatch], None] | None, sample: Callable[..., Any],
+              lead: bool) -> tuple[Any, SampleOutput | None]:
+        hidden, packed = self._forward(inputs, False, feed)
+        logits = self._logits(inputs, hidden, packed)
+        drawn = None
+        if batch is not None and logits is not None:
+            if before_sample is not None:
+                before_sample(batch)
+            drawn = sample(logits, batch)
+        del logits  # the prompt rows' logits need not sit beside them (what profiling measured)
+        return drawn, self._score_prompts(inputs, hidden, packed, lead)
+
+
+def join_outputs(parts: list[SampleOutput]) -> SampleOutput:
+    """Row slices of one output back as one."""
+    if len(parts) == 1:
+        return parts[0]
+    return SampleOutput(*(np.concatenate([getattr(p, name) for p in parts])
+                          for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")))
 
 
 def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingBatch:

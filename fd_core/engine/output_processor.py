@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fd_core.engine import detokenizer
-from fd_core.engine.core import CoreOutput
+from fd_core.engine.core import CoreOutput, PromptLogprobs
 from fd_core.engine.detokenizer import TextState
 from fd_core.engine.outputs import (
     CompletionOutput,
@@ -42,6 +42,7 @@ class _Request:
     outputs: list[_Output]
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # when the caller times the outputs (``now``)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,8 @@ class OutputProcessor:
                 continue
             if co.index == 0:
                 request.num_cached_tokens = co.num_cached_tokens
+                if co.prompt_logprobs is not None:
+                    request.prompt_logprobs = self._prompt_logprobs(request.prompt_token_ids, co.prompt_logprobs)
             if now is not None:
                 self._time(request, out, co, now, gaps)
             state = out.state
@@ -136,13 +139,22 @@ class OutputProcessor:
         out.last_token_time = now
 
     def _logprobs(self, co: CoreOutput) -> dict[int, Logprob]:
+        return self._entry(co.token_id, co.logprob, co.rank, co.top)
+
+    def _entry(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        """A token's Logprob and those of the best ``top`` of its position, decoded."""
         # no tokenizer (skip_tokenizer_init): the tokens' ids, no text
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids, **_: None)
-        entry = {co.token_id: Logprob(co.logprob, co.rank, decode([co.token_id], skip_special_tokens=False))}
-        for rank, (tid, lp) in enumerate(co.top, start=1):
+        entry = {token_id: Logprob(logprob, rank, decode([token_id], skip_special_tokens=False))}
+        for place, (tid, lp) in enumerate(top, start=1):
             if tid not in entry:
-                entry[tid] = Logprob(lp, rank, decode([tid], skip_special_tokens=False))
+                entry[tid] = Logprob(lp, place, decode([tid], skip_special_tokens=False))
         return entry
+
+    def _prompt_logprobs(self, prompt: list[int], scores: PromptLogprobs) -> list[dict[int, Logprob] | None]:
+        """vLLM's shape: None for the first prompt token, then one entry per token."""
+        return [None] + [self._entry(token, lp, rank, top) for token, lp, rank, top
+                         in zip(prompt[1:], scores.logprobs, scores.ranks, scores.top)]
 
     @staticmethod
     def _snapshot(request: _Request, finished: bool | None = None,
@@ -161,4 +173,4 @@ class OutputProcessor:
         metrics = None if m is None else RequestMetrics(m.first_token_time, m.last_token_time, m.time_in_queue,
                                                         m.prefill_time, gaps or [])
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
-                             finished, request.num_cached_tokens, metrics)
+                             finished, request.num_cached_tokens, metrics, request.prompt_logprobs)

@@ -50,3 +50,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None  # set by the engine client of ``fd serve``; None offline
+    # with SamplingParams.prompt_logprobs, once the first token is out: None for the first prompt
+    # token, then per prompt token {token id: Logprob} holding it and the top k of its position
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

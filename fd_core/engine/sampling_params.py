@@ -30,7 +30,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``seed`` makes sampling repeatable whatever else runs in the
     same batch. ``stop`` strings are not included in the output text; ``stop_token_ids`` and
     the model's end-of-sequence tokens end generation too (unless ``ignore_eos``).
-    ``logprobs=k`` returns the sampled token's log-probability and the top ``k`` per step.
+    ``logprobs=k`` returns the sampled token's log-probability and the top ``k`` per step;
+    ``prompt_logprobs=k`` the same for every prompt token after the first (given the tokens
+    before it), in ``RequestOutput.prompt_logprobs``.
     ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar.
     """
 
@@ -49,6 +51,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -73,19 +76,19 @@ class SamplingParams:
             self.temperature = 0.0  # as vLLM: dividing by a near-zero temperature overflows
 
     def _validate(self) -> None:
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
+        def bad(msg: str, param: str | None = None) -> InvalidRequestError:
+            return InvalidRequestError(msg, param=param)
 
         def number(name: str, value: object) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
                 raise bad(f"{name} must be a number, got {value!r}")
             return float(value)
 
-        def integer(name: str, value: object, low: int = 0, high: int = MAX_INT) -> int:
+        def integer(name: str, value: object, low: int = 0, high: int = MAX_INT, param: str | None = None) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise bad(f"{name} must be an integer, got {value!r}")
+                raise bad(f"{name} must be an integer, got {value!r}", param)
             if not low <= value <= high:
-                raise bad(f"{name} must be an integer in [{low}, {high}], got {value}")
+                raise bad(f"{name} must be an integer in [{low}, {high}], got {value}", param)
             return value
 
         integer("n", self.n, 1, MAX_N)
@@ -112,6 +115,12 @@ class SamplingParams:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             integer("logprobs", self.logprobs, 0)  # the engine's --max-logprobs caps it (core.check_params)
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs == -1:  # vLLM's "the whole vocabulary"
+                raise InvalidRequestError(
+                    "prompt_logprobs=-1 (every token of the vocabulary) is not supported: ask for at most "
+                    "--max-logprobs (20 by default)", param="prompt_logprobs")
+            integer("prompt_logprobs", self.prompt_logprobs, 0, param="prompt_logprobs")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):

@@ -250,6 +250,11 @@ class Scheduler:
             return num_new
 
         hits = self.pool.match(seq)
+        if seq.owes_prompt_logprobs:
+            # a cached position is not computed, so it gives no logits to score the next prompt
+            # token with: cached blocks only as far as the scores already taken (none at first, as
+            # in vLLM; after a preemption by recompute, those it scored before)
+            hits = hits[: (seq.prompt_scored - 1) // self.pool.block_size]
         cached = len(hits) * self.pool.block_size
         num_new = self._fit(seq.num_tokens - cached, budget)
         if num_new is None or not self.pool.can_admit(seq, hits, cached + num_new, reserve=self._reserved):

@@ -57,6 +57,14 @@ class Sequence:
     queued_at: float = 0.0
     scheduled_at: float | None = None
     grammar: Any = None  # its llguidance matcher (structured output), advanced on every token
+    # prompt_logprobs: prompt tokens scored so far, the first (which has none) counted; None when
+    # not asked (and for a request's forks: the first sequence scores the prompt for all)
+    prompt_scored: int | None = None
+    prompt_scores: list[Any] = field(default_factory=list, repr=False)  # what the steps computed, until sent
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.prompt_scored is not None and self.prompt_scored < len(self.prompt_token_ids)
 
     @property
     def tokens(self) -> list[int]:

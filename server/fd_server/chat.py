@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import Request
 
 from fd_core.engine.detokenizer import stop_holdback
-from fd_core.engine.outputs import CompletionOutput, Logprob
+from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fd_server import params as P
 from fd_server.parsers import ReasoningParser
 from fd_server.protocol import (
@@ -22,6 +22,7 @@ from fd_server.protocol import (
     ChatLogprob,
     ChatStreamChoice,
     DeltaMessage,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -31,6 +32,7 @@ from fd_server.serving import (
     ServerContext,
     SSEResponse,
     new_id,
+    prompt_logprobs,
     safe_logprob,
     sse,
     token_bytes,
@@ -57,7 +59,7 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
     sampling = P.sampling_params(
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs,
-        logprobs_param="top_logprobs", constraint=constraint)
+        logprobs_param="top_logprobs", constraint=constraint, prompt_logprobs=P.prompt_logprobs(body))
     # response_format and a required or named tool choice describe the answer, and their grammar
     # holds from the first token (one that starts after the thought is not built yet): such a
     # reply has no reasoning to split off. A grammar given as structured_outputs or guided_*
@@ -77,7 +79,13 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
                                             logprobs=_logprobs(o.token_ids, o.logprobs, logprobs, ctx.tokenizer)))
     completion = sum(len(o.token_ids) for o in output.outputs)
     return ChatCompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices,
-                                  usage=_usage(len(prompt_ids), completion, output.num_cached_tokens))
+                                  usage=_usage(len(prompt_ids), completion, output.num_cached_tokens),
+                                  prompt_logprobs=_scores(body, output))
+
+
+def _scores(body: ChatCompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
+    """The response's prompt_logprobs (vLLM puts the chat endpoint's beside the choices)."""
+    return prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
 
 
 def _thinking(body: ChatCompletionRequest) -> bool:
@@ -172,19 +180,35 @@ async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stops = batch.streams[0].params.stop_strings
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+              scores: PromptLogprobs | None = None) -> str:
         payload = ChatCompletionChunk(id=batch.base_id, created=created, model=ctx.model_name,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage, prompt_logprobs=scores)
         return sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
-    for i in range(body.n):
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    def roles(scores: PromptLogprobs | None = None) -> Iterator[str]:
+        for i in range(body.n):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                        scores=scores if i == 0 else None)
+
+    # prompt_logprobs come with the first token: then the first chunk, which carries them
+    waiting = body.prompt_logprobs is not None
+    if not waiting:
+        for event in roles():
+            yield event
     sent_chars = [0] * body.n
     sent_tokens = [0] * body.n
     last: list[CompletionOutput | None] = [None] * body.n
     finished = [False] * body.n
     streams = [reader.stream() for _ in range(body.n)]
     async for changes in batch.updates():
+        if waiting:
+            output = changes[0][1]
+            if output.prompt_logprobs is None and not output.finished:
+                continue
+            waiting = False
+            for event in roles(_scores(body, output)):
+                yield event
         for _, output in changes:
             for o in output.outputs:
                 i = o.index

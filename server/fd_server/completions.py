@@ -2,7 +2,10 @@
 
 A request with several prompts runs them together; choice ``index`` is
 ``prompt_position * n + sample``, as with OpenAI. ``text_offset`` counts characters of the
-returned text (so, with ``echo``, the first generated token starts after the prompt).
+returned text (so, with ``echo``, the first generated token starts after the prompt). ``echo``
+with ``logprobs`` starts the logprobs with the prompt's tokens, the first without a logprob (as
+OpenAI's legacy completions and vLLM); ``prompt_logprobs`` (vLLM's) come in each choice, in a
+stream in the choice's first chunk with the echoed prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 from fastapi import Request
 
 from fd_core.engine.detokenizer import stop_holdback
-from fd_core.engine.outputs import Logprob
+from fd_core.engine.outputs import Logprob, RequestOutput
 from fd_server import params as P
 from fd_server.protocol import (
     CompletionChoice,
@@ -30,6 +33,7 @@ from fd_server.serving import (
     ServerContext,
     SSEResponse,
     new_id,
+    prompt_logprobs,
     safe_logprob,
     sse,
     token_text,
@@ -54,7 +58,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
         sampling = P.sampling_params(
             client, body, prompt_len=len(ids),
             max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS, logprobs=body.logprobs,
-            constraint=constraint)
+            constraint=constraint, prompt_logprobs=P.prompt_logprobs(body, body.logprobs if body.echo else None))
         plan.append((text, ids, sampling))
     batch = Batch(ctx.monitor, new_id("cmpl"), arrival, ctx.request_timeout, ctx.log_requests)
     for text, ids, sampling in plan:
@@ -65,14 +69,27 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
     outputs = await batch.final(request)
     choices = []
     for p, output in enumerate(outputs):
+        scores = prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
         for o in output.outputs:
+            if body.echo and body.logprobs is not None:
+                logprobs = _logprobs(output.prompt_token_ids + o.token_ids, _prompt_steps(output) + o.logprobs,
+                                     body.logprobs, ctx.tokenizer, 0)
+            else:
+                logprobs = _logprobs(o.token_ids, o.logprobs, body.logprobs, ctx.tokenizer, len(echoes[p]))
             choices.append(CompletionChoice(
                 index=p * body.n + o.index,
                 text=echoes[p] + o.text,
-                logprobs=_logprobs(o.token_ids, o.logprobs, body.logprobs, ctx.tokenizer, len(echoes[p])),
+                logprobs=logprobs,
                 finish_reason=o.finish_reason,
+                prompt_logprobs=scores,
             ))
     return CompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices, usage=_usage(outputs))
+
+
+def _prompt_steps(output: RequestOutput) -> list[dict[int, Logprob] | None]:
+    """The echoed prompt's logprobs, one per token (None for the first, and for every token of
+    a request that ended before its prompt was scored)."""
+    return output.prompt_logprobs or [None] * len(output.prompt_token_ids)
 
 
 def _echo(ctx: ServerContext, text: str | None, ids: list[int]) -> str:
@@ -90,20 +107,26 @@ def _usage(outputs: list[Any]) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob]] | None, k: int | None, tokenizer: Any,
+def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob] | None] | None, k: int | None, tokenizer: Any,
               offset: int) -> CompletionLogprobs | None:
+    """OpenAI's legacy logprobs of ``token_ids`` (``steps``: their engine logprobs; None for an
+    echoed prompt's first token, which nothing before it predicts), text offsets from ``offset``."""
     if k is None or steps is None:
         return None
     result = CompletionLogprobs()
     for tid, step in zip(token_ids, steps):
-        entry = step.get(tid) or Logprob(float("nan"))
+        entry = (step.get(tid) if step is not None else None) or Logprob(float("nan"))
         text = token_text(entry, tid, tokenizer)
         result.tokens.append(text)
-        result.token_logprobs.append(safe_logprob(entry.logprob))
-        # as OpenAI: the k most likely, plus the sampled token when it is not among them
-        tops = {token_text(lp, t, tokenizer): safe_logprob(lp.logprob) for t, lp in top_entries(step, k)}
-        tops.setdefault(text, safe_logprob(entry.logprob))
-        result.top_logprobs.append(tops)
+        if step is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            result.token_logprobs.append(safe_logprob(entry.logprob))
+            # as OpenAI: the k most likely, plus the sampled token when it is not among them
+            tops = {token_text(lp, t, tokenizer): safe_logprob(lp.logprob) for t, lp in top_entries(step, k)}
+            tops.setdefault(text, safe_logprob(entry.logprob))
+            result.top_logprobs.append(tops)
         result.text_offset.append(offset)
         offset += len(text)
     return result
@@ -124,8 +147,12 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
     sent_tokens = [0] * total
     offsets = [len(echoes[i // n]) for i in range(total)]
     finished = [False] * total
+    echo_logprobs = body.echo and body.logprobs is not None
+    # the prompt's logprobs (echoed, or prompt_logprobs) come with the first token: the choice's
+    # first chunk waits for them
+    waiting = [echo_logprobs or body.prompt_logprobs is not None] * total
     for i in range(total):
-        if echoes[i // n]:
+        if echoes[i // n] and not echo_logprobs:
             yield chunk([CompletionChoice(index=i, text=echoes[i // n])])
     async for changes in batch.updates():
         for p, output in changes:
@@ -135,6 +162,17 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
                 if finished[i]:
                     continue
                 done = o.finish_reason is not None
+                if waiting[i]:
+                    if output.prompt_logprobs is None and not done:
+                        continue
+                    waiting[i] = False
+                    lps = None
+                    if echo_logprobs:
+                        lps = _logprobs(output.prompt_token_ids, _prompt_steps(output), body.logprobs, ctx.tokenizer, 0)
+                        offsets[i] = sum(len(t) for t in lps.tokens)
+                    scores = prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
+                    yield chunk([CompletionChoice(index=i, text=echoes[p] if echo_logprobs else "", logprobs=lps,
+                                                  prompt_logprobs=scores)])
                 limit = len(o.text) if done else len(o.text) - stop_holdback(o.text, stops)
                 delta = o.text[sent_chars[i]:limit] if limit > sent_chars[i] else ""
                 new_ids = o.token_ids[sent_tokens[i]:]

@@ -44,13 +44,24 @@ def _unsupported(request: SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
 
 
+def prompt_logprobs(request: SamplingFields, echoed: int | None = None) -> int | None:
+    """How many top logprobs of each prompt token the engine computes: the request's
+    ``prompt_logprobs``, and ``echoed`` (completions' ``echo`` with ``logprobs``, whose answer
+    starts with the prompt's tokens), the more of the two, as vLLM."""
+    asked = request.prompt_logprobs
+    if asked is None or asked < 0:  # a refusal names the request's own field
+        return echoed if asked is None else asked
+    return asked if echoed is None else max(asked, echoed)
+
+
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
                     max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-                    logprobs_param: str = "logprobs", constraint: StructuredOutputsParams | None = None
-                    ) -> SamplingParams:
+                    logprobs_param: str = "logprobs", constraint: StructuredOutputsParams | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit);
     ``logprobs_param``: the request field ``logprobs`` came from; ``constraint``: the
-    request's structured output (``fd_server.structured``)."""
+    request's structured output (``fd_server.structured``); ``prompt_logprobs``: see the
+    function of that name."""
     _unsupported(request)
     max_model_len = client.max_model_len
     room = max_model_len - prompt_len
@@ -70,19 +81,24 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
             frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=request.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=constraint,
         )
+        client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs, the backend
     except InvalidRequestError as exc:
-        raise bad_request(str(exc)) from exc
-    try:
-        client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs
-    except InvalidRequestError as exc:
-        param = logprobs_param if exc.param == "logprobs" else exc.param
-        if exc.param == "structured_outputs" and constraint is not None:
-            param = _constraint_field(request)
-        raise bad_request(str(exc), param=param) from exc
+        raise bad_request(str(exc), param=_request_field(request, exc.param, logprobs_param)) from exc
     return params
+
+
+def _request_field(request: SamplingFields, param: str | None, logprobs_param: str) -> str | None:
+    """The request field a SamplingParams field came from."""
+    if param == "logprobs":
+        return logprobs_param
+    if param == "prompt_logprobs" and request.prompt_logprobs is None:
+        return "echo"  # completions' echo with logprobs asked for them
+    if param == "structured_outputs":
+        return _constraint_field(request)
+    return param
 
 
 def _constraint_field(request: SamplingFields) -> str:
@@ -162,9 +178,6 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any, max_model_len
         raise bad_request("suffix is not supported by this server.", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of other than n is not supported by this server.", param="best_of")
-    if request.echo and request.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute.",
-                          param="echo")
     prompt = request.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]

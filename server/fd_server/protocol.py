@@ -150,8 +150,33 @@ class SamplingFields(BaseModel):
     guided_grammar: Text | None = None
     guided_whitespace_pattern: Text | None = None
     guided_decoding_backend: Text | None = Field(None, description="ignored: fd has one grammar engine (llguidance)")
+    prompt_logprobs: int | None = Field(
+        None, ge=-1, le=MAX_INT,
+        description="vLLM's: the logprob of every prompt token after the first and the top k of its position, "
+                    "k at most --max-logprobs (-1, the whole vocabulary, is refused)")
     # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
     logit_bias: dict[str, float] | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its ``prompt_logprobs`` carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: its Logprob and the top k}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _without_none(handler: Any, value: Any, *keys: str) -> dict[str, Any]:
+    """``value`` serialized, without ``keys`` where they are None (fields only some requests ask for)."""
+    out = handler(value)
+    for key in keys:
+        if out.get(key) is None:
+            out.pop(key, None)
+    return out
 
 
 # -- chat completions ------------------------------------------------------------------------
@@ -240,6 +265,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for the chat endpoint's
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler, self, "prompt_logprobs")
 
 
 class DeltaMessage(BaseModel):
@@ -268,6 +298,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the first chunk with a token
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler, self, "prompt_logprobs")
 
 
 # -- completions -----------------------------------------------------------------------------
@@ -294,6 +329,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # streamed: in the choice's first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        return _without_none(handler, self, "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):

@@ -23,6 +23,7 @@ from fd_core.engine.outputs import Logprob, RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
 from fd_server import request_log
 from fd_server.errors import from_exception, request_timeout
+from fd_server.protocol import PromptLogprob, PromptLogprobs
 from fd_server.streams import EngineMonitor, RequestStream, follow
 from fd_server.tools import ChatParsing
 
@@ -189,6 +190,16 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 def safe_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """``RequestOutput.prompt_logprobs`` as vLLM's responses carry them (impossible tokens at
+    OpenAI's floor, since JSON has no -inf)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {tid: PromptLogprob(logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in entry.items()} for entry in entries]
 
 
 def token_text(entry: Logprob, token_id: int, tokenizer: Any) -> str:
