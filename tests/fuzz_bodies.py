@@ -38,10 +38,12 @@ SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "max_tokens", 
                    "frequency_penalty", "repetition_penalty", "user", "ignore_eos", "min_tokens", "stop_token_ids",
                    "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "logit_bias", "stream",
                    "stream_options", "model", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                   "guided_choice", "guided_grammar"]
+                   "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words", "add_special_tokens",
+                   "use_beam_search", "priority", "truncate_prompt_tokens"]
 COMPLETION_FIELDS = ["prompt", "echo", "logprobs", "suffix", "best_of"]
 CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-               "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"]
+               "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "documents", "reasoning_effort",
+               "include_reasoning", "functions", "modalities", "echo"]
 
 
 def _scalar() -> st.SearchStrategy[Any]:

@@ -299,6 +299,51 @@ def test_chat_stop_string(http):
     assert choice["message"]["content"] == "abc" and choice["finish_reason"] == "stop"
 
 
+def test_neutral_values_of_unhonoured_fields_pass(http):
+    r = chat(http, use_beam_search=False, length_penalty=1.0, priority=0, modalities=["text"], echo=False,
+             spaces_between_special_tokens=True, logits_processors=[], continue_final_message=False, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert complete(http, prompt_embeds=None, use_beam_search=False, max_tokens=2).status_code == 200
+
+
+def test_token_rules_and_template_fields_reach_the_engine(http, monkeypatch):
+    seen: dict = {}
+    render = http.fake.tokenizer.apply_chat_template
+
+    def capture(messages, add_generation_prompt=True, **kw):
+        seen.update(kw)
+        return render(messages, add_generation_prompt, **kw)
+
+    monkeypatch.setattr(http.fake.tokenizer, "apply_chat_template", capture)
+    docs = [{"title": "t", "text": "d"}]
+    r = chat(http, allowed_token_ids=[5, 6], bad_words=["x y"], documents=docs, reasoning_effort="low", max_tokens=2)
+    assert r.status_code == 200, r.text
+    _, ids, params = http.fake.requests[-1]
+    assert params.allowed_token_ids == [5, 6] and params.bad_words == ["x y"]
+    assert seen == {"documents": docs, "reasoning_effort": "low"}
+    assert ids[0] != 1  # the template placed the special tokens; with add_special_tokens the tokenizer adds BOS too
+    assert chat(http, add_special_tokens=True, max_tokens=2).status_code == 200 and http.fake.requests[-1][1][0] == 1
+    assert complete(http, add_special_tokens=False, max_tokens=2).status_code == 200
+    assert http.fake.requests[-1][1][0] != 1
+
+
+@pytest.mark.parametrize("extra, starts_after, reasoning", [
+    ({"response_format": {"type": "json_object"}}, "</think>", True),
+    ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": False}}, None, False),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "</think>", True),
+    ({"structured_outputs": {"regex": "a+"}}, None, True),  # the whole output, thought included
+])
+def test_the_answer_is_constrained_after_the_thought(extra, starts_after, reasoning):
+    from fd_server.tools import ChatParsing
+
+    with serve(parsing=ChatParsing(reasoning_parser="qwen3")) as http:
+        r = chat(http, max_tokens=4, **extra)
+        assert r.status_code == 200, r.text
+        assert http.fake.requests[-1][2].structured_outputs.starts_after == starts_after
+        # the fake writes no </think>: with a parser at work, all of it is thought
+        assert ("reasoning_content" in r.json()["choices"][0]["message"]) == reasoning
+
+
 def test_chat_content_parts_and_extra_message_keys(http):
     r = chat(http, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                               "reasoning_content": "x"}], max_tokens=1)
@@ -553,6 +598,23 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"chat_template_kwargs": {"explode": True}}, "messages"),
     ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
     ({"stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"allowed_token_ids": [3, 9999]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["fine", "   "]}, "bad_words"),
+    # fields of OpenAI and vLLM that fd does not honour (fd_server.refused)
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"priority": 1}, "priority"),
+    ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"echo": True}, "echo"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])
 def test_chat_semantic_errors_are_400(http, body, param):
     assert_error(chat(http, **body), 400, param=param)
@@ -568,6 +630,9 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": ["ok", [1] * 70]}, "prompt.1"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
 ])
 def test_completion_errors_are_400(http, body, param):
     assert_error(complete(http, **body), 400, param=param)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fd_core.engine.bad_words import needs_history, tokenize_bad_words
 from fd_core.engine.block_pool import BlockPool
 from fd_core.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -38,6 +39,7 @@ from fd_core.errors import (
     check_text,
 )
 from fd_core.interfaces import Platform, SampleOutput
+from fd_core.interfaces.ops import pack_token_bitmask
 from fd_core.models import TensorParallel, moe_spec
 from fd_core.phases import log as startup
 from fd_core.phases import phase
@@ -100,18 +102,19 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
 
 
 def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS,
-                 no_structured_output: str = "") -> None:
+                 unavailable: dict[str, str] | None = None) -> None:
     """Reject sampling parameters that name tokens the model does not have, ask for more
-    logprobs than the engine allows, or ask for structured output where it cannot run
-    (``no_structured_output``: why, "" where it can). SamplingParams cannot check these: it
+    logprobs than the engine allows, or use a field this engine cannot honour (``unavailable``:
+    field name -> why, from ``EngineCore.unavailable``). SamplingParams cannot check these: it
     knows neither the model, --max-logprobs nor the backend."""
-    if params.structured_outputs is not None and no_structured_output:
-        raise InvalidRequestError(f"structured output is unavailable: {no_structured_output}",
-                                  param="structured_outputs")
-    bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}",
-                                  param="stop_token_ids")
+    for name, why in (unavailable or {}).items():
+        if getattr(params, name, None) is not None:
+            raise InvalidRequestError(f"{name} is unavailable: {why}", param=name)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = [t for t in getattr(params, name) or [] if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{name} must be below the vocabulary size {vocab_size}, got {bad[:3]}",
+                                      param=name)
     if params.logprobs is not None and params.logprobs > min(max_logprobs, vocab_size):
         raise InvalidRequestError(f"logprobs {params.logprobs} is more than this engine returns: at most "
                                   f"{min(max_logprobs, vocab_size)} (--max-logprobs)", param="logprobs")
@@ -295,11 +298,19 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
-        check_params(params, self.model_config.vocab_size, self.config.max_logprobs,
-                     self.no_structured_output() if params.structured_outputs else "")
+        check_params(params, self.model_config.vocab_size, self.config.max_logprobs, self.unavailable())
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         grammar = self._structured().matcher(params.structured_outputs) if params.structured_outputs else None
+        allowed = None
+        if params.allowed_token_ids:
+            row = np.zeros((1, self.model_config.vocab_size), dtype=bool)
+            row[0, params.allowed_token_ids] = True
+            allowed = pack_token_bitmask(row)[0]
+        words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else ()
+        after = ()
+        if grammar is not None and params.structured_outputs.starts_after:
+            after = tuple(self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False))
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
@@ -312,6 +323,7 @@ class EngineCore:
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
                 max_tokens=max_tokens, cache_salt=cache_salt, queued_at=now,
                 grammar=None if grammar is None else grammar.deep_copy() if i else grammar,
+                allowed_tokens=allowed, bad_words=words, grammar_after=after,
             )
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
@@ -322,13 +334,17 @@ class EngineCore:
         self.seqs[request_id] = seqs
         self.stats["prompt_tokens"] += len(token_ids) * params.n
 
-    def no_structured_output(self) -> str:
-        """Why this engine cannot constrain a request's output ("" where it can)."""
-        if self.tokenizer is None:
-            return "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
+    def unavailable(self) -> dict[str, str]:
+        """The sampling fields this engine cannot honour, each with why (``check_params``)."""
+        out = {}
         if self._no_masks is None:
             self._no_masks = self.executor.masks_unsupported()
-        return f"on the {self.platform.name} backend, {self._no_masks}" if self._no_masks else ""
+        if self._no_masks:
+            out["structured_outputs"] = out["allowed_token_ids"] = f"on the {self.platform.name} backend, {self._no_masks}"
+        if self.tokenizer is None:
+            why = "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
+            out["structured_outputs"] = out["bad_words"] = why
+        return out
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the
@@ -411,7 +427,7 @@ class EngineCore:
             slots.append(len(seq.output_token_ids))
             if not seq.finished:  # one that ended on the token just read gets none
                 seq.output_token_ids.append(PLACEHOLDER)
-        read_first = bool(parents) or any(s.params.penalised for s in launched.sampled)
+        read_first = bool(parents) or any(s.params.penalised or needs_history(s.bad_words) for s in launched.sampled)
         self._in_flight = _InFlight(launched, slots, read_first)
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)
@@ -487,7 +503,13 @@ class EngineCore:
             if count == 1 and seq.scheduled_at is not None:
                 output.time_in_queue = seq.scheduled_at - seq.queued_at
                 output.prefill_time = time.monotonic() - seq.scheduled_at
-            ended = self.grammars.advance(seq.grammar, token) if seq.grammar is not None else None
+            ended = None
+            if seq.grammar_after:  # its grammar waits for these tokens; the next token is the first it holds
+                after = seq.grammar_after
+                if tuple(seq.output_token_ids[max(0, count - len(after)):count]) == after:
+                    seq.grammar_after = ()
+            elif seq.grammar is not None:
+                ended = self.grammars.advance(seq.grammar, token)
             if (ended or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count, ended)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fd_core.engine import bad_words
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
@@ -281,12 +282,21 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
     penalised = first.penalised if shared else any(p.penalised for p in params)
     suppress = []
     for seq in seqs:
+        banned = _EMPTY
         # min_tokens: the ways a sequence could end are banned until it has produced enough
         if len(seq.output_token_ids) < seq.params.min_tokens:
-            stop_ids = np.array(seq.params.stop_token_ids or [], dtype=np.int64)
-            suppress.append(np.union1d(eos_token_ids, stop_ids))
-        else:
-            suppress.append(_EMPTY)
+            banned = np.union1d(eos_token_ids, np.array(seq.params.stop_token_ids or [], dtype=np.int64))
+        if seq.bad_words:
+            banned = np.union1d(banned, bad_words.banned(seq.bad_words, seq.output_token_ids))
+        suppress.append(banned)
+    allowed = None
+    if any(s.allowed_tokens is not None for s in seqs):
+        # the static part of the bitmask; structured output's matchers narrow it (GrammarMatchers.fill)
+        width = next(len(s.allowed_tokens) for s in seqs if s.allowed_tokens is not None)
+        allowed = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            if seq.allowed_tokens is not None:
+                allowed[row] = seq.allowed_tokens
     return SamplingBatch(
         temperature=col("temperature", np.float32),
         top_p=col("top_p", np.float32),
@@ -301,4 +311,5 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         output_token_ids=[np.asarray(s.output_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
+        allowed_token_bitmask=allowed,
     )

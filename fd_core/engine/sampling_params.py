@@ -21,6 +21,8 @@ MAX_INT = 2**31 - 1  # top_k, max_tokens, min_tokens, token ids: far past any vo
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # per stop string: each is searched in every new piece of text
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256  # each is compared with the output's tail at every step
+MAX_ALLOWED_TOKEN_IDS = 2**20  # past any vocabulary
 
 
 @dataclass
@@ -32,6 +34,10 @@ class SamplingParams:
     the model's end-of-sequence tokens end generation too (unless ``ignore_eos``).
     ``logprobs=k`` returns the sampled token's log-probability and the top ``k`` per step.
     ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar.
+    ``allowed_token_ids``: only these tokens may be sampled (end-of-sequence included: a list
+    without it runs to ``max_tokens``). ``bad_words``: never produced, as vLLM defines it: each
+    word is tokenized as written and after a space, and the last token of either spelling is
+    banned wherever the output so far ends with the tokens before it.
     """
 
     n: int = 1
@@ -52,6 +58,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -128,6 +136,28 @@ class SamplingParams:
                 raise bad(f"stop_token_ids must be a list of integers in [0, {MAX_INT}]")
             if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
                 raise bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in ids):
+                raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of integers in [0, {MAX_INT}]",
+                                          param="allowed_token_ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidRequestError(f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}",
+                                          param="allowed_token_ids")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise InvalidRequestError("bad_words must be a list of strings with something besides spaces",
+                                          param="bad_words")
+            if len(words) > MAX_BAD_WORDS:
+                raise InvalidRequestError(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(words)}",
+                                          param="bad_words")
+            for w in words:
+                if len(w) > MAX_STOP_CHARS:
+                    raise InvalidRequestError(f"a bad word may have at most {MAX_STOP_CHARS} characters, got {len(w)}",
+                                              param="bad_words")
+                check_text("bad_words", w)
 
     @property
     def greedy(self) -> bool:

@@ -72,9 +72,10 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
             max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=request.ignore_eos,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=constraint,
+            allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
         )
     except InvalidRequestError as exc:
-        raise bad_request(str(exc)) from exc
+        raise bad_request(str(exc), param=exc.param) from exc
     try:
         client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs
     except InvalidRequestError as exc:
@@ -128,6 +129,10 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
     messages = chat_messages(request)
     kwargs = dict(request.chat_template_kwargs or {})
+    # vLLM's top-level fields for the template; the request's kwargs win, as there
+    for name in ("documents", "reasoning_effort"):
+        if getattr(request, name) is not None:
+            kwargs.setdefault(name, getattr(request, name))
     if "chat_template" in kwargs:
         # a template is code: clients pick variables of the model's template, not a new one
         raise bad_request("chat_template_kwargs may not replace the chat template.", param="chat_template_kwargs")
@@ -141,8 +146,8 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", param="messages")
-    # the template already placed any BOS the model wants
-    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
+    # the template already placed any BOS the model wants (add_special_tokens: another, as vLLM)
+    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=bool(request.add_special_tokens))
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -179,7 +184,8 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any, max_model_len
     for i, item in enumerate(items):
         if isinstance(item, str):
             field = "prompt" if len(items) == 1 else f"prompt.{i}"
-            prompts.append((item, _encode(tokenizer, item, max_model_len, field, add_special_tokens=True)))
+            prompts.append((item, _encode(tokenizer, item, max_model_len, field,
+                                          add_special_tokens=request.add_special_tokens is not False)))
         else:
             prompts.append((None, list(item)))
     return prompts

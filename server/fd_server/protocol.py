@@ -14,6 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 from pydantic_core import PydanticCustomError
 
 from fd_core.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_INT,
     MAX_N,
     MAX_SEED,
@@ -150,8 +152,26 @@ class SamplingFields(BaseModel):
     guided_grammar: Text | None = None
     guided_whitespace_pattern: Text | None = None
     guided_decoding_backend: Text | None = Field(None, description="ignored: fd has one grammar engine (llguidance)")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORDS)
+    add_special_tokens: bool | None = Field(
+        None, description="add the tokenizer's special tokens (BOS) to the prompt; default: false in chat "
+                          "(the template places them), true in completions")
     # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
     logit_bias: dict[str, float] | None = None
+    # fields of OpenAI and vLLM that would change the output and that fd does not honour: a
+    # value other than the neutral one is refused by name (fd_server.refused)
+    use_beam_search: Json = None
+    length_penalty: Json = None
+    logits_processors: Json = None
+    truncate_prompt_tokens: Json = None
+    spaces_between_special_tokens: Json = None
+    return_tokens_as_token_ids: Json = None
+    return_token_ids: Json = None
+    priority: Json = None
+    kv_transfer_params: Json = None
+    vllm_xargs: Json = None
+    mm_processor_kwargs: Json = None
 
 
 # -- chat completions ------------------------------------------------------------------------
@@ -193,6 +213,20 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Json] | None = None
+    documents: list[dict[str, Json]] | None = Field(None, description="passed to the chat template")
+    reasoning_effort: Text | None = Field(None, description="passed to the chat template, as vLLM does")
+    include_reasoning: bool = Field(True, description="false: no reasoning_content (--reasoning-parser)")
+    # see SamplingFields' list (fd_server.refused)
+    functions: Json = None
+    function_call: Json = None
+    audio: Json = None
+    modalities: Json = None
+    web_search_options: Json = None
+    verbosity: Json = None
+    echo: Json = None
+    continue_final_message: Json = None
+    chat_template: Json = None
+    media_io_kwargs: Json = None
 
 
 class TopLogprob(BaseModel):
@@ -280,6 +314,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # as vLLM: --max-logprobs, not OpenAI's 5
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    prompt_embeds: Json = None  # refused (fd_server.refused)
 
 
 class CompletionLogprobs(BaseModel):

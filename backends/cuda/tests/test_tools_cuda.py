@@ -13,6 +13,7 @@ from tests.test_tools_server import (  # noqa: F401 - the tests run here as they
     test_parallel_tool_calls_false_gives_one_call,
     test_reasoning_is_split_whole_and_streamed,
     test_required_and_named_calls_validate_and_stream_the_same,
+    test_token_rules_hold,
     test_tool_results_reach_the_template,
 )
 
