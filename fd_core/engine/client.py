@@ -78,6 +78,7 @@ class AsyncEngineClient:
         self.max_num_batched_tokens = 0
         self.chunked_prefill = True
         self.no_structured_output = ""  # from the core's Ready
+        self.no_logit_bias = ""  # from the core's Ready
         self.eos_token_ids: frozenset[int] = frozenset()
         self._proc = None
         self._dir = tempfile.mkdtemp(prefix="fd-")
@@ -143,6 +144,7 @@ class AsyncEngineClient:
         self.max_num_batched_tokens = ready.max_num_batched_tokens
         self.chunked_prefill = ready.chunked_prefill
         self.no_structured_output = ready.no_structured_output
+        self.no_logit_bias = ready.no_logit_bias
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._last_report = time.monotonic()
         self._processor = OutputProcessor(self.tokenizer)
@@ -192,7 +194,8 @@ class AsyncEngineClient:
 
     def check_params(self, params: SamplingParams) -> None:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
-        check_params(params, self.vocab_size, self.config.max_logprobs, self.no_structured_output)
+        check_params(params, self.vocab_size, self.config.max_logprobs, self.no_structured_output,
+                     self.no_logit_bias)
 
     def report_age(self) -> float:
         """Seconds since the core last reported: it does after every step and, when idle, every

@@ -100,18 +100,22 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
 
 
 def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS,
-                 no_structured_output: str = "") -> None:
+                 no_structured_output: str = "", no_logit_bias: str = "") -> None:
     """Reject sampling parameters that name tokens the model does not have, ask for more
-    logprobs than the engine allows, or ask for structured output where it cannot run
-    (``no_structured_output``: why, "" where it can). SamplingParams cannot check these: it
-    knows neither the model, --max-logprobs nor the backend."""
+    logprobs than the engine allows, or ask for structured output or logit_bias where it cannot
+    run (``no_structured_output``, ``no_logit_bias``: why, "" where it can). SamplingParams
+    cannot check these: it knows neither the model, --max-logprobs nor the backend."""
     if params.structured_outputs is not None and no_structured_output:
         raise InvalidRequestError(f"structured output is unavailable: {no_structured_output}",
                                   param="structured_outputs")
-    bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}",
-                                  param="stop_token_ids")
+    if params.biased and no_logit_bias:
+        raise InvalidRequestError(f"logit_bias is unavailable: {no_logit_bias}", param="logit_bias")
+    for param, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids or []),
+                             ("logit_bias", "logit_bias's token ids", params.logit_bias or {})):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{what} must be below the vocabulary size {vocab_size}, got {bad[:3]}",
+                                      param=param)
     if params.logprobs is not None and params.logprobs > min(max_logprobs, vocab_size):
         raise InvalidRequestError(f"logprobs {params.logprobs} is more than this engine returns: at most "
                                   f"{min(max_logprobs, vocab_size)} (--max-logprobs)", param="logprobs")
@@ -227,7 +231,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
-        self._no_masks: str | None = None  # why the sample ops cannot apply a bitmask; None: not asked yet
+        self._sample_lacks_cache: dict[str, str] = {}  # contract version -> why the sample ops predate it
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
@@ -296,7 +300,8 @@ class EngineCore:
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
         check_params(params, self.model_config.vocab_size, self.config.max_logprobs,
-                     self.no_structured_output() if params.structured_outputs else "")
+                     self.no_structured_output() if params.structured_outputs else "",
+                     self.no_logit_bias() if params.biased else "")
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         grammar = self._structured().matcher(params.structured_outputs) if params.structured_outputs else None
@@ -326,9 +331,19 @@ class EngineCore:
         """Why this engine cannot constrain a request's output ("" where it can)."""
         if self.tokenizer is None:
             return "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
-        if self._no_masks is None:
-            self._no_masks = self.executor.masks_unsupported()
-        return f"on the {self.platform.name} backend, {self._no_masks}" if self._no_masks else ""
+        return self._sample_lacks("1.10")
+
+    def no_logit_bias(self) -> str:
+        """Why this engine cannot apply a request's logit_bias ("" where it can)."""
+        return self._sample_lacks("1.11")
+
+    def _sample_lacks(self, since: str) -> str:
+        """Why the chosen sample ops cannot do what contract ``since`` added ("" if they can);
+        asked of the ranks once per version."""
+        if since not in self._sample_lacks_cache:
+            self._sample_lacks_cache[since] = self.executor.sample_lacks(since)
+        why = self._sample_lacks_cache[since]
+        return f"on the {self.platform.name} backend, {why}" if why else ""
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the

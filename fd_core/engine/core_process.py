@@ -68,6 +68,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     max_num_batched_tokens: int  # as resolved against the backend
     chunked_prefill: bool
     no_structured_output: str  # why requests cannot be constrained ("" where they can)
+    no_logit_bias: str  # why requests cannot carry logit_bias ("" where they can)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -189,6 +190,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
             num_blocks=core.pool.capacity, max_num_batched_tokens=config.max_num_batched_tokens,
             chunked_prefill=config.enable_chunked_prefill, no_structured_output=core.no_structured_output(),
+            no_logit_bias=core.no_logit_bias(),
         )))
         try:
             _serve(core, inbox, outbox, encoder, parent_pid)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fd_core.engine.structured.params import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError, check_text
 
@@ -21,6 +23,8 @@ MAX_INT = 2**31 - 1  # top_k, max_tokens, min_tokens, token ids: far past any vo
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_CHARS = 1024  # per stop string: each is searched in every new piece of text
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # biased tokens per request, as many as stop_token_ids: each is scattered every step
+MAX_BIAS = 100.0  # OpenAI's range for a bias, [-100, 100]: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -32,6 +36,8 @@ class SamplingParams:
     the model's end-of-sequence tokens end generation too (unless ``ignore_eos``).
     ``logprobs=k`` returns the sampled token's log-probability and the top ``k`` per step.
     ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar.
+    ``logit_bias`` maps token ids (ints, or decimal strings as JSON keys are) to a bias in
+    [-100, 100] added to that token's logit before the penalties, as OpenAI and vLLM do.
     """
 
     n: int = 1
@@ -52,7 +58,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # logit_bias as SamplingBatch takes it, made once rather than at every step
+    bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):  # its wire form
@@ -67,6 +76,11 @@ class SamplingParams:
             self.stop_strings = (self.stop,)
         else:
             self.stop_strings = tuple(self.stop)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+            ids = np.fromiter(self.logit_bias, dtype=np.int64, count=len(self.logit_bias))
+            values = np.fromiter(self.logit_bias.values(), dtype=np.float32, count=len(self.logit_bias))
+            self.bias_arrays = (ids, values)
         if self.top_k == -1:
             self.top_k = 0
         if 0 < self.temperature < _GREEDY_BELOW:
@@ -130,6 +144,11 @@ class SamplingParams:
                 raise bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
 
     @property
+    def biased(self) -> bool:
+        """Whether sampling adds a bias to some token's logit (an empty map asks for nothing)."""
+        return bool(self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -137,3 +156,26 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether sampling reads the tokens so far (presence, frequency, repetition penalty)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``logit_bias`` checked, with int keys and float values; an error names the field."""
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(f"logit_bias {msg}", param="logit_bias")
+
+    if not isinstance(value, dict):
+        raise bad(f"must map token ids to biases, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token <= MAX_INT:
+            raise bad(f"keys must be token ids, integers in [0, {MAX_INT}], got {key!r}")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating))
+                or not -MAX_BIAS <= bias <= MAX_BIAS):
+            raise bad(f"values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r} for token {key!r}")
+        if int(token) in out:
+            raise bad(f"names token {int(token)} twice")
+        out[int(token)] = float(bias)
+    return out

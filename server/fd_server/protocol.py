@@ -14,7 +14,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 from pydantic_core import PydanticCustomError
 
 from fd_core.engine.sampling_params import (
+    MAX_BIAS,
     MAX_INT,
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_SEED,
     MAX_STOP,
@@ -54,6 +56,9 @@ Text = Annotated[str, AfterValidator(_unicode)]
 Json = Annotated[Any, AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# JSON object keys are strings: a token id in decimal (SamplingParams parses it and bounds it)
+BiasedToken = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 class ErrorInfo(BaseModel):
@@ -150,8 +155,10 @@ class SamplingFields(BaseModel):
     guided_grammar: Text | None = None
     guided_whitespace_pattern: Text | None = None
     guided_decoding_backend: Text | None = Field(None, description="ignored: fd has one grammar engine (llguidance)")
-    # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[BiasedToken, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description=f"token id (a decimal string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit before "
+                    f"sampling; at most {MAX_LOGIT_BIAS} tokens")
 
 
 # -- chat completions ------------------------------------------------------------------------
