@@ -32,6 +32,7 @@ VALID_EDGES: dict[str, list[Any]] = {
     "response_format": [{"type": "json_object"}], "guided_regex": ["[0-9]{1,3}", "a+"],
     "guided_choice": [["x", "\U0001F600"]], "structured_outputs": [{"json": {"type": "array", "items": {"enum": [1]}}}],
     "tool_choice": ["required", "none"], "parallel_tool_calls": [False],
+    "logit_bias": [{}, {"0": -100, "511": 100}, {str(i): -0.5 for i in range(0, 512, 2)}, {"7": 1e-300}],
 }
 
 SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "presence_penalty",

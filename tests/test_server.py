@@ -70,6 +70,7 @@ class FakeEngineClient:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = 259
+        self.unavailable: dict[str, str] = {}  # as the core's Ready says: fields its backend cannot honour
         self.eos_token_ids = frozenset({2})
         self.config = EngineConfig(model="/models/fake")
         self.delay = delay
@@ -96,7 +97,7 @@ class FakeEngineClient:
         core.check_prompt(token_ids, self.vocab_size, self.max_model_len, 1 << 30, True)
 
     def check_params(self, params: SamplingParams) -> None:
-        core.check_params(params, self.vocab_size)
+        core.check_params(params, self.vocab_size, unavailable=self.unavailable)
 
     def die(self) -> None:
         self.healthy = False
@@ -576,6 +577,13 @@ def test_prefix_cache_and_preemption_metrics(http):
     ({"stop": 3}, None),
     ({"seed": -1}, "seed"),
     ({"stream": "yes"}, "stream"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias.abc"),
+    ({"logit_bias": {"-5": 1.0}}, "logit_bias.-5"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"5": -101}}, "logit_bias.5"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": [[5, 1.0]]}, "logit_bias"),
 ])
 def test_chat_validation_errors_are_400(http, body, param):
     error = assert_error(chat(http, **body), 400)
@@ -588,7 +596,8 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stop": ""}, None),
     ({"min_tokens": 5, "max_tokens": 2}, None),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"259": 1.0}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": {"3000000000": 1.0}}, "logit_bias"),  # past any token id
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs the flags
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
@@ -633,10 +642,31 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"logit_bias": {"x1": 1.0}}, "logit_bias.x1"),
+    ({"logit_bias": {"9999": -1.0}}, "logit_bias"),
 ])
 def test_completion_errors_are_400(http, body, param):
     assert_error(complete(http, **body), 400, param=param)
     assert not http.fake.requests  # a bad prompt anywhere rejects the whole request
+
+
+def test_logit_bias_reaches_the_engine_with_token_ids_as_keys(http):
+    assert chat(http, logit_bias={"5": 1, "258": -100.0, "007": 2.5}).status_code == 200
+    assert complete(http, logit_bias={"0": 100}).status_code == 200
+    assert complete(http, logit_bias={}).status_code == 200
+    assert [p.logit_bias for _, _, p in http.fake.requests] == [{5: 1.0, 258: -100.0, 7: 2.5}, {0: 100.0}, None]
+
+
+def test_logit_bias_on_a_backend_whose_sampler_predates_it_is_400(http):
+    """The core says why its sample ops cannot take the bias (a plugin written before API 1.11):
+    a biased request is refused naming the field, on both endpoints; others run."""
+    http.fake.unavailable = {"logit_bias": "on the cpu backend, its sample op (old-sample, from fd-backend-old) was "
+                                           "written for plugin API 1.10, before 1.11"}
+    for response in (chat(http, logit_bias={"5": 1.0}), complete(http, logit_bias={"5": 1.0})):
+        error = assert_error(response, 400, param="logit_bias")
+        assert "logit_bias is unavailable" in error["message"] and "fd-backend-old" in error["message"]
+    assert not http.fake.requests
+    assert chat(http).status_code == 200 and complete(http, logit_bias={}).status_code == 200
 
 
 def test_malformed_bodies_are_400(http):
@@ -740,6 +770,10 @@ def test_openapi_documents_both_endpoints(http):
         responses = spec["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "404", "429", "503"} <= set(responses)
         assert "422" not in responses
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = spec["components"]["schemas"][request]["properties"]["logit_bias"]["anyOf"][0]
+        assert bias["maxProperties"] == 1024
+        assert bias["patternProperties"] == {"^[0-9]{1,10}$": {"type": "number", "minimum": -100, "maximum": 100}}
 
 
 # -- concurrency, disconnects, a dead engine (real sockets) ----------------------------------

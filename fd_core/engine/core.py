@@ -108,13 +108,15 @@ def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MA
     field name -> why, from ``EngineCore.unavailable``). SamplingParams cannot check these: it
     knows neither the model, --max-logprobs nor the backend."""
     for name, why in (unavailable or {}).items():
-        if getattr(params, name, None) is not None:
+        if getattr(params, name, None):  # an empty logit_bias asks for nothing
             raise InvalidRequestError(f"{name} is unavailable: {why}", param=name)
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        bad = [t for t in getattr(params, name) or [] if t >= vocab_size]
+    for param, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids or []),
+                             ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or []),
+                             ("logit_bias", "logit_bias's token ids", params.logit_bias or {})):
+        bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise InvalidRequestError(f"{name} must be below the vocabulary size {vocab_size}, got {bad[:3]}",
-                                      param=name)
+            raise InvalidRequestError(f"{what} must be below the vocabulary size {vocab_size}, got {bad[:3]}",
+                                      param=param)
     if params.logprobs is not None and params.logprobs > min(max_logprobs, vocab_size):
         raise InvalidRequestError(f"logprobs {params.logprobs} is more than this engine returns: at most "
                                   f"{min(max_logprobs, vocab_size)} (--max-logprobs)", param="logprobs")
@@ -230,7 +232,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
-        self._no_masks: str | None = None  # why the sample ops cannot apply a bitmask; None: not asked yet
+        self._sample_lacks_cache: dict[str, str] = {}  # contract version -> why the sample ops predate it
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
@@ -337,14 +339,22 @@ class EngineCore:
     def unavailable(self) -> dict[str, str]:
         """The sampling fields this engine cannot honour, each with why (``check_params``)."""
         out = {}
-        if self._no_masks is None:
-            self._no_masks = self.executor.masks_unsupported()
-        if self._no_masks:
-            out["structured_outputs"] = out["allowed_token_ids"] = f"on the {self.platform.name} backend, {self._no_masks}"
+        for since, names in (("1.10", ("structured_outputs", "allowed_token_ids")), ("1.11", ("logit_bias",))):
+            why = self._sample_lacks(since)
+            if why:
+                out.update(dict.fromkeys(names, why))
         if self.tokenizer is None:
             why = "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
             out["structured_outputs"] = out["bad_words"] = why
         return out
+
+    def _sample_lacks(self, since: str) -> str:
+        """Why the chosen sample ops cannot do what contract ``since`` added ("" if they can);
+        asked of the ranks once per version."""
+        if since not in self._sample_lacks_cache:
+            self._sample_lacks_cache[since] = self.executor.sample_lacks(since)
+        why = self._sample_lacks_cache[since]
+        return f"on the {self.platform.name} backend, {why}" if why else ""
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the

@@ -31,6 +31,7 @@ from fd_core.interfaces import (
 )
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_BIAS = (_EMPTY, np.zeros(0, dtype=np.float32))  # a row without logit_bias beside one with
 
 
 @dataclass
@@ -170,9 +171,10 @@ class ModelRunner:
     def memory_info(self) -> tuple[int, int]:
         return self.memory.memory_info()
 
-    def masks_unsupported(self) -> str:
-        """Why this rank's sample ops cannot apply structured output's bitmask ("" if they can)."""
-        return self.ops.lacks("sample", "1.10") or self.ops.lacks("sample_async", "1.10")
+    def sample_lacks(self, since: str) -> str:
+        """Why this rank's sample ops cannot do what contract ``since`` added to them ("" if
+        they can): structured output's bitmask (1.10), logit_bias (1.11)."""
+        return self.ops.lacks("sample", since) or self.ops.lacks("sample_async", since)
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
@@ -280,6 +282,7 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
     penalised = first.penalised if shared else any(p.penalised for p in params)
+    biased = first.biased if shared else any(p.biased for p in params)
     suppress = []
     for seq in seqs:
         banned = _EMPTY
@@ -312,4 +315,6 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
         allowed_token_bitmask=allowed,
+        # None unless some row has one: sampling then costs nothing extra
+        logit_bias=[p.bias_arrays if p.biased else _NO_BIAS for p in params] if biased else None,
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from fd_core.engine.structured.params import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError, check_text
 
@@ -23,6 +25,8 @@ MAX_STOP_CHARS = 1024  # per stop string: each is searched in every new piece of
 MAX_STOP_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 256  # each is compared with the output's tail at every step
 MAX_ALLOWED_TOKEN_IDS = 2**20  # past any vocabulary
+MAX_LOGIT_BIAS = 1024  # biased tokens per request, as many as stop_token_ids: each is scattered every step
+MAX_BIAS = 100.0  # OpenAI's range for a bias, [-100, 100]: -100 bans a token, +100 all but forces it
 
 
 @dataclass
@@ -38,6 +42,8 @@ class SamplingParams:
     without it runs to ``max_tokens``). ``bad_words``: never produced, as vLLM defines it: each
     word is tokenized as written and after a space, and the last token of either spelling is
     banned wherever the output so far ends with the tokens before it.
+    ``logit_bias`` maps token ids (ints, or decimal strings as JSON keys are) to a bias in
+    [-100, 100] added to that token's logit before the penalties, as OpenAI and vLLM do.
     """
 
     n: int = 1
@@ -60,7 +66,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # logit_bias as SamplingBatch takes it, made once rather than at every step
+    bias_arrays: tuple[np.ndarray, np.ndarray] | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):  # its wire form
@@ -75,6 +84,11 @@ class SamplingParams:
             self.stop_strings = (self.stop,)
         else:
             self.stop_strings = tuple(self.stop)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+            ids = np.fromiter(self.logit_bias, dtype=np.int64, count=len(self.logit_bias))
+            values = np.fromiter(self.logit_bias.values(), dtype=np.float32, count=len(self.logit_bias))
+            self.bias_arrays = (ids, values)
         if self.top_k == -1:
             self.top_k = 0
         if 0 < self.temperature < _GREEDY_BELOW:
@@ -160,6 +174,11 @@ class SamplingParams:
                 check_text("bad_words", w)
 
     @property
+    def biased(self) -> bool:
+        """Whether sampling adds a bias to some token's logit (an empty map asks for nothing)."""
+        return bool(self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
@@ -167,3 +186,26 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether sampling reads the tokens so far (presence, frequency, repetition penalty)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """``logit_bias`` checked, with int keys and float values; an error names the field."""
+    def bad(msg: str) -> InvalidRequestError:
+        return InvalidRequestError(f"logit_bias {msg}", param="logit_bias")
+
+    if not isinstance(value, dict):
+        raise bad(f"must map token ids to biases, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token <= MAX_INT:
+            raise bad(f"keys must be token ids, integers in [0, {MAX_INT}], got {key!r}")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float, np.integer, np.floating))
+                or not -MAX_BIAS <= bias <= MAX_BIAS):
+            raise bad(f"values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r} for token {key!r}")
+        if int(token) in out:
+            raise bad(f"names token {int(token)} twice")
+        out[int(token)] = float(bias)
+    return out

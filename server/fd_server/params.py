@@ -39,11 +39,6 @@ def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
         raise bad_request(str(exc), param=param) from exc
 
 
-def _unsupported(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
-
-
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
                     max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
                     logprobs_param: str = "logprobs", constraint: StructuredOutputsParams | None = None
@@ -51,7 +46,6 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
     """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit);
     ``logprobs_param``: the request field ``logprobs`` came from; ``constraint``: the
     request's structured output (``fd_server.structured``)."""
-    _unsupported(request)
     max_model_len = client.max_model_len
     room = max_model_len - prompt_len
     min_tokens = request.min_tokens
@@ -73,11 +67,12 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=constraint,
             allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+            logit_bias=request.logit_bias or None,
         )
     except InvalidRequestError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
     try:
-        client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs
+        client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs, the backend
     except InvalidRequestError as exc:
         param = logprobs_param if exc.param == "logprobs" else exc.param
         if exc.param == "structured_outputs" and constraint is not None:

@@ -16,7 +16,9 @@ from pydantic_core import PydanticCustomError
 from fd_core.engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_BIAS,
     MAX_INT,
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_SEED,
     MAX_STOP,
@@ -56,6 +58,9 @@ Text = Annotated[str, AfterValidator(_unicode)]
 Json = Annotated[Any, AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# JSON object keys are strings: a token id in decimal (SamplingParams parses it and bounds it)
+BiasedToken = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 class ErrorInfo(BaseModel):
@@ -172,6 +177,10 @@ class SamplingFields(BaseModel):
     kv_transfer_params: Json = None
     vllm_xargs: Json = None
     mm_processor_kwargs: Json = None
+    logit_bias: dict[BiasedToken, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description=f"token id (a decimal string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit before "
+                    f"sampling; at most {MAX_LOGIT_BIAS} tokens")
 
 
 # -- chat completions ------------------------------------------------------------------------
