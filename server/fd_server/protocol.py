@@ -56,6 +56,7 @@ def _unicode(value: Any) -> Any:
 # Text from the client: it must be valid Unicode (see _lone_surrogate); JSON, the same for free-form values
 Text = Annotated[str, AfterValidator(_unicode)]
 Json = Annotated[Any, AfterValidator(_unicode)]
+JsonObject = Annotated[dict[str, Json], AfterValidator(_unicode)]  # its keys checked too
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 # JSON object keys are strings: a token id in decimal (SamplingParams parses it and bounds it)
@@ -95,7 +96,7 @@ class JsonSchemaFormat(BaseModel):
     model_config = _REQUEST
     name: Text
     description: Text | None = None
-    schema_: dict[str, Json] | None = Field(None, alias="schema")
+    schema_: JsonObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -109,7 +110,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: one of json, regex, choice, grammar, json_object."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    json_: dict[str, Json] | Text | None = Field(None, alias="json", description="a JSON schema")
+    json_: JsonObject | Text | None = Field(None, alias="json", description="a JSON schema")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = Field(None, description="Lark, or GBNF as llama.cpp writes it")
@@ -151,7 +152,7 @@ class SamplingFields(BaseModel):
     # structured output (fd_server.structured): OpenAI's, vLLM's, and vLLM's older spelling
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Json] | Text | None = None
+    guided_json: JsonObject | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
@@ -217,12 +218,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # --max-logprobs caps it (client.check_params)
-    tools: list[dict[str, Json]] | None = None
-    tool_choice: Text | dict[str, Json] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: Text | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Json] | None = None
-    documents: list[dict[str, Json]] | None = Field(None, description="passed to the chat template")
+    chat_template_kwargs: JsonObject | None = None
+    documents: list[JsonObject] | None = Field(None, description="passed to the chat template")
     reasoning_effort: Text | None = Field(None, description="passed to the chat template, as vLLM does")
     include_reasoning: bool = Field(True, description="false: no reasoning_content (--reasoning-parser)")
     # see SamplingFields' list (fd_server.refused)
