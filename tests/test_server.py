@@ -669,6 +669,17 @@ def test_logit_bias_on_a_backend_whose_sampler_predates_it_is_400(http):
     assert chat(http).status_code == 200 and complete(http, logit_bias={}).status_code == 200
 
 
+def test_a_tool_choice_needing_structured_output_where_it_cannot_run_is_400(http):
+    """A required or named tool choice is enforced with structured output: where the backend
+    cannot constrain, the 400 names tool_choice (it was a 500)."""
+    http.fake.unavailable = {"structured_outputs": "on the cpu backend, its sample op predates 1.10"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        error = assert_error(chat(http, tools=tools, tool_choice=choice), 400, param="tool_choice")
+        assert "structured_outputs is unavailable" in error["message"]
+    assert not http.fake.requests
+
+
 def test_malformed_bodies_are_400(http):
     for content in (b"{not json", b"[1, 2]", b"", b'"text"'):
         r = http.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})

@@ -87,8 +87,9 @@ def _constraint_field(request: SamplingFields) -> str:
         return "response_format"
     if request.structured_outputs is not None:
         return "structured_outputs"
-    return next(name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                if getattr(request, name) is not None)
+    # none of those: a required or named tool choice is enforced with structured output
+    return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(request, name) is not None), "tool_choice")
 
 
 # -- chat ------------------------------------------------------------------------------------
