@@ -640,6 +640,7 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"best_of": 3}, "best_of"),
     ({"prompt": ["ok", [1] * 70]}, "prompt.1"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
     ({"logit_bias": {"x1": 1.0}}, "logit_bias.x1"),
@@ -669,14 +670,20 @@ def test_logit_bias_on_a_backend_whose_sampler_predates_it_is_400(http):
     assert chat(http).status_code == 200 and complete(http, logit_bias={}).status_code == 200
 
 
-def test_a_tool_choice_needing_structured_output_where_it_cannot_run_is_400(http):
-    """A required or named tool choice is enforced with structured output: where the backend
-    cannot constrain, the 400 names tool_choice (it was a 500)."""
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+])
+def test_structured_output_where_it_cannot_run_is_400_naming_its_source(http, extra, param):
+    """The backend cannot constrain: the 400 names the field the constraint came from (a
+    required or named tool choice is enforced with structured output; that was a 500)."""
     http.fake.unavailable = {"structured_outputs": "on the cpu backend, its sample op predates 1.10"}
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        error = assert_error(chat(http, tools=tools, tool_choice=choice), 400, param="tool_choice")
-        assert "structured_outputs is unavailable" in error["message"]
+    error = assert_error(chat(http, **extra), 400, param=param)
+    assert "structured_outputs is unavailable" in error["message"]
     assert not http.fake.requests
 
 

@@ -57,7 +57,8 @@ PROMPTS = ["Describe a person.", "Tell me about the weather.", "Give me some dat
 def server(request, tmp_path_factory):
     """The cpu backend, and a vendor backend emulated on the CPU: the same requests pass on both."""
     with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
-                              "--max-model-len", "2048", "--num-kv-blocks", "1024", "--max-num-seqs", "32") as srv:
+                              "--max-model-len", "2048", "--num-kv-blocks", "1024", "--max-num-seqs", "32",
+                              emulated=request.param != "cpu") as srv:
         yield srv
 
 

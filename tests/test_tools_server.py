@@ -36,7 +36,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and the time i
 def server(request, tmp_path_factory):
     with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
                               "--max-model-len", "2048", "--num-kv-blocks", "512", "--tool-call-parser", "hermes",
-                              "--enable-auto-tool-choice") as srv:
+                              "--enable-auto-tool-choice", emulated=request.param != "cpu") as srv:
         yield srv
 
 
@@ -134,7 +134,7 @@ def thinking_server(request, tmp_path_factory):
     """A server with a reasoning parser and no tool parser."""
     with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
                               "--max-model-len", "2048", "--num-kv-blocks", "256", "--reasoning-parser",
-                              "deepseek_r1") as srv:
+                              "deepseek_r1", emulated=request.param != "cpu") as srv:
         yield srv
 
 

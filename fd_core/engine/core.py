@@ -232,7 +232,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
-        self._sample_lacks_cache: dict[str, str] = {}  # contract version -> why the sample ops predate it
+        self._unavailable: dict[str, str] | None = None  # unavailable(), once asked
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
@@ -337,24 +337,19 @@ class EngineCore:
         self.stats["prompt_tokens"] += len(token_ids) * params.n
 
     def unavailable(self) -> dict[str, str]:
-        """The sampling fields this engine cannot honour, each with why (``check_params``)."""
-        out = {}
-        for since, names in (("1.10", ("structured_outputs", "allowed_token_ids")), ("1.11", ("logit_bias",))):
-            why = self._sample_lacks(since)
-            if why:
-                out.update(dict.fromkeys(names, why))
-        if self.tokenizer is None:
-            why = "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
-            out["structured_outputs"] = out["bad_words"] = why
-        return out
-
-    def _sample_lacks(self, since: str) -> str:
-        """Why the chosen sample ops cannot do what contract ``since`` added ("" if they can);
-        asked of the ranks once per version."""
-        if since not in self._sample_lacks_cache:
-            self._sample_lacks_cache[since] = self.executor.sample_lacks(since)
-        why = self._sample_lacks_cache[since]
-        return f"on the {self.platform.name} backend, {why}" if why else ""
+        """The sampling fields this engine cannot honour, each with why (``check_params``);
+        asked of the ranks' op tables once."""
+        if self._unavailable is None:
+            out = {}
+            for since, names in (("1.10", ("structured_outputs", "allowed_token_ids")), ("1.11", ("logit_bias",))):
+                why = self.executor.sample_lacks(since)
+                if why:
+                    out.update(dict.fromkeys(names, f"on the {self.platform.name} backend, {why}"))
+            if self.tokenizer is None:
+                why = "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
+                out["structured_outputs"] = out["bad_words"] = why
+            self._unavailable = out
+        return self._unavailable
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the

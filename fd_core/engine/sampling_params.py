@@ -110,6 +110,16 @@ class SamplingParams:
                 raise bad(f"{name} must be an integer in [{low}, {high}], got {value}")
             return value
 
+        def token_ids(name: str, ids: object, most: int, may_be_empty: bool) -> None:
+            if ids is None:
+                return
+            if not isinstance(ids, (list, tuple)) or not (ids or may_be_empty) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in ids):
+                kind = "a list" if may_be_empty else "a non-empty list"
+                raise InvalidRequestError(f"{name} must be {kind} of integers in [0, {MAX_INT}]", param=name)
+            if len(ids) > most:
+                raise InvalidRequestError(f"{name} takes at most {most} ids, got {len(ids)}", param=name)
+
         integer("n", self.n, 1, MAX_N)
         if number("temperature", self.temperature) < 0 or math.isinf(self.temperature):
             raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -144,21 +154,8 @@ class SamplingParams:
                 if len(s) > MAX_STOP_CHARS:
                     raise bad(f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(s)}")
                 check_text("stop", s)
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in self.stop_token_ids):
-                raise bad(f"stop_token_ids must be a list of integers in [0, {MAX_INT}]")
-            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-                raise bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
-        if self.allowed_token_ids is not None:
-            ids = self.allowed_token_ids
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in ids):
-                raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of integers in [0, {MAX_INT}]",
-                                          param="allowed_token_ids")
-            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
-                raise InvalidRequestError(f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}",
-                                          param="allowed_token_ids")
+        token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, may_be_empty=True)
+        token_ids("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS, may_be_empty=False)
         if self.bad_words is not None:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):

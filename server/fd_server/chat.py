@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -62,11 +61,10 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
     # thinking off, from the first token, and there is no reasoning to split off. A grammar given
     # as structured_outputs or guided_* describes the whole output, thought included.
     reasoning, thinking = ctx.parsing.reasoning(), _thinking(body)
-    answer_only = (tools is not None and tools.constraint is not None) or (
-        body.response_format is not None and body.response_format.type != "text")
+    answer_only = constraint is not None and constraint.field in ("response_format", "tool_choice")
     if answer_only and reasoning is not None:
         if thinking:
-            constraint = dataclasses.replace(constraint, starts_after=reasoning.end)
+            constraint = constraint.after(reasoning.end)
         else:
             reasoning = None
     sampling = P.sampling_params(

@@ -13,10 +13,10 @@ from typing import Any
 
 from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
-from fd_core.engine.structured import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError, PromptTooLongError
 from fd_server.errors import APIError, bad_request
 from fd_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from fd_server.structured import Constraint
 
 
 def check_model(request: SamplingFields, served_model_names: Sequence[str]) -> None:
@@ -41,8 +41,7 @@ def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
 
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
                     max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-                    logprobs_param: str = "logprobs", constraint: StructuredOutputsParams | None = None
-                    ) -> SamplingParams:
+                    logprobs_param: str = "logprobs", constraint: Constraint | None = None) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit);
     ``logprobs_param``: the request field ``logprobs`` came from; ``constraint``: the
     request's structured output (``fd_server.structured``)."""
@@ -65,7 +64,8 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=request.ignore_eos,
             logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=constraint,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=constraint.params if constraint is not None else None,
             allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
             logit_bias=request.logit_bias or None,
         )
@@ -74,22 +74,13 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
     try:
         client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs, the backend
     except InvalidRequestError as exc:
-        param = logprobs_param if exc.param == "logprobs" else exc.param
-        if exc.param == "structured_outputs" and constraint is not None:
-            param = _constraint_field(request)
+        param = exc.param
+        if param == "logprobs":
+            param = logprobs_param
+        elif param == "structured_outputs" and constraint is not None:
+            param = constraint.field  # response_format, guided_json, tool_choice...
         raise bad_request(str(exc), param=param) from exc
     return params
-
-
-def _constraint_field(request: SamplingFields) -> str:
-    """The request field its structured output came from."""
-    if getattr(request, "response_format", None) is not None and request.response_format.type != "text":
-        return "response_format"
-    if request.structured_outputs is not None:
-        return "structured_outputs"
-    # none of those: a required or named tool choice is enforced with structured output
-    return next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(request, name) is not None), "tool_choice")
 
 
 # -- chat ------------------------------------------------------------------------------------

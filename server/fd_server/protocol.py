@@ -158,13 +158,15 @@ class SamplingFields(BaseModel):
     guided_grammar: Text | None = None
     guided_whitespace_pattern: Text | None = None
     guided_decoding_backend: Text | None = Field(None, description="ignored: fd has one grammar engine (llguidance)")
+    logit_bias: dict[BiasedToken, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description=f"token id (a decimal string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit before "
+                    f"sampling; at most {MAX_LOGIT_BIAS} tokens")
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORDS)
     add_special_tokens: bool | None = Field(
         None, description="add the tokenizer's special tokens (BOS) to the prompt; default: false in chat "
                           "(the template places them), true in completions")
-    # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
-    logit_bias: dict[str, float] | None = None
     # fields of OpenAI and vLLM that would change the output and that fd does not honour: a
     # value other than the neutral one is refused by name (fd_server.refused)
     use_beam_search: Json = None
@@ -174,14 +176,11 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: Json = None
     return_tokens_as_token_ids: Json = None
     return_token_ids: Json = None
+    prompt_logprobs: Json = None
     priority: Json = None
     kv_transfer_params: Json = None
     vllm_xargs: Json = None
     mm_processor_kwargs: Json = None
-    logit_bias: dict[BiasedToken, Bias] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS,
-        description=f"token id (a decimal string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit before "
-                    f"sampling; at most {MAX_LOGIT_BIAS} tokens")
 
 
 # -- chat completions ------------------------------------------------------------------------

@@ -32,6 +32,7 @@ SHARED: dict[str, Rule] = {
     "spaces_between_special_tokens": (_off((True,)), f"spaces_between_special_tokens=false {_NOT_SUPPORTED}"),
     "return_tokens_as_token_ids": (_off((False,)), f"return_tokens_as_token_ids {_NOT_SUPPORTED}"),
     "return_token_ids": (_off((False,)), f"return_token_ids {_NOT_SUPPORTED}"),
+    "prompt_logprobs": (_off(()), f"prompt_logprobs {_NOT_SUPPORTED} yet"),
     "priority": (_off((0,)), "priority scheduling is not supported: this server schedules first come, first served"),
     "kv_transfer_params": (_empty, f"disaggregated prefill (kv_transfer_params) {_NOT_SUPPORTED}"),
     "vllm_xargs": (_empty, f"vllm_xargs {_NOT_SUPPORTED}"),
