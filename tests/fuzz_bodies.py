@@ -32,16 +32,19 @@ VALID_EDGES: dict[str, list[Any]] = {
     "response_format": [{"type": "json_object"}], "guided_regex": ["[0-9]{1,3}", "a+"],
     "guided_choice": [["x", "\U0001F600"]], "structured_outputs": [{"json": {"type": "array", "items": {"enum": [1]}}}],
     "tool_choice": ["required", "none"], "parallel_tool_calls": [False],
+    "logit_bias": [{}, {"0": -100, "511": 100}, {str(i): -0.5 for i in range(0, 512, 2)}, {"7": 1e-300}],
 }
 
 SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "user", "ignore_eos", "min_tokens", "stop_token_ids",
                    "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "logit_bias", "stream",
                    "stream_options", "model", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                   "guided_choice", "guided_grammar"]
+                   "guided_choice", "guided_grammar", "allowed_token_ids", "bad_words", "add_special_tokens",
+                   "use_beam_search", "priority", "truncate_prompt_tokens"]
 COMPLETION_FIELDS = ["prompt", "echo", "logprobs", "suffix", "best_of"]
 CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-               "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs"]
+               "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "documents", "reasoning_effort",
+               "include_reasoning", "functions", "modalities", "echo"]
 
 
 def _scalar() -> st.SearchStrategy[Any]:

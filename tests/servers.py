@@ -104,3 +104,36 @@ class Server:
                 self.proc.wait(10)
         self._log.close()
         return self.proc.returncode
+
+
+def default_model_server(model: str, device: str, log_path: Path, *args: str, emulated: bool = False) -> Server:
+    """``fd serve`` of the default model on ``device``; ``emulated``: a vendor backend emulated
+    on the CPU (its own platform and op table, ``FD_EMULATE``). Skips the test where the model
+    or the emulated backend is not installed."""
+    import pytest
+
+    from fd_core.loader import resolve_model
+
+    try:
+        resolve_model(model)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"the default model is not installed: {exc}")
+    env = {}
+    if emulated:
+        from tests.plugins.vendors import require_installed
+
+        require_installed(device)
+        env["FD_EMULATE"] = device
+    server = Server(model, log_path, "--device", device, *args, env=env)
+    server.device = device
+    return server
+
+
+def cuda_model_server(model: str, log_path: Path, *args: str) -> Server:
+    """``fd serve --device cuda`` of the default model; skips the test without a CUDA device."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return default_model_server(model, "cuda", log_path, "--max-model-len", "2048", *args)

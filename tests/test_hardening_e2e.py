@@ -259,6 +259,11 @@ SURROGATE = "\\ud800"  # as JSON writes it: Python reads it as a lone surrogate
     ("/v1/chat/completions",
      f'{{"model": "{NAME}", "messages": [{{"role": "user", "content": "x"}}], '
      f'"chat_template_kwargs": {{"k": "{SURROGATE}"}}}}', "chat_template_kwargs.k"),
+    # in a key (found by the fuzz test: a 500 from the grammar compiler)
+    ("/v1/completions", f'{{"model": "{NAME}", "prompt": "hi", "guided_json": {{"{SURROGATE}": null}}}}', "guided_json"),
+    ("/v1/chat/completions",
+     f'{{"model": "{NAME}", "messages": [{{"role": "user", "content": "x"}}], '
+     f'"tools": [{{"type": "function", "function": {{"name": "f"}}, "{SURROGATE}": 1}}]}}', "tools.0"),
 ])
 def test_lone_surrogates_are_400_naming_the_field(server, path, body, param):
     error = error_of(post(server, path, body.encode()), 400)

@@ -993,3 +993,84 @@ def test_sample_keeps_to_the_allowed_tokens():
         # the raw distribution's logprob and top logprobs, as with suppression
         raw = log_softmax64(logits)
         close("sample", out.logprobs, raw[np.arange(rows), out.token_ids].astype(np.float32))
+
+
+# --- OpenAI's logit_bias (API 1.11) ---------------------------------------------------------------
+
+
+def kit_bias_case():
+    """The conformance kit's logit_bias case: its logits and batch, as the kit makes them."""
+    from fd_core.interfaces import Capabilities
+    from fd_core.testing import opcases
+
+    (case,) = [c for c in opcases.cases(Capabilities(dtypes={"float32"}), ops={"sample"})
+               if c.params["kind"] == "logit_bias"]
+    rows, vocab = case.params["rows"], case.params["vocab"]
+    rng = opcases._rng(case)
+    logits = opcases._randn(rng, rows, vocab, scale=2.0)
+    return logits, opcases.sampling_batch(case, rng, rows, vocab, logits)
+
+
+def test_the_kit_bias_case_tests_what_it_says():
+    """Each row of the kit's case turns on the bias as its docstring says, in the spec and both
+    references: a flip, a ban, the bias before the repetition penalty, a grammar and a
+    suppression that a +100 bias does not lift, and raw logprobs of the unbiased model."""
+    from fd_core.interfaces.ops import unpack_token_bitmask
+    from fd_core.runtimes.torch import ops as torch_ops
+
+    torch = pytest.importorskip("torch")
+    logits, batch = kit_bias_case()
+    order = np.argsort(-logits, axis=1, kind="stable")
+    best, second = logits[3, order[3, :2]]
+    b = batch.logit_bias[3][1][0]
+    assert (best + b) / 2 < second < best / 2 + b  # the other order would keep the argmax
+    allowed = unpack_token_bitmask(batch.allowed_token_bitmask, logits.shape[1])
+    (banned,) = [t for t, v in zip(*batch.logit_bias[5]) if v == 100]
+    assert not allowed[5, banned]
+    raw = log_softmax64(logits)
+    outs = [*both(logits, batch), torch_ops.sample(torch.from_numpy(logits.copy()), batch)]
+    for out in outs:
+        assert out.token_ids[0] == order[0, 0]  # no bias beside rows with one
+        assert out.token_ids[1] == order[1, 4]
+        assert out.token_ids[2] == order[2, 1]
+        assert out.token_ids[3] == order[3, 1]
+        assert allowed[5, out.token_ids[5]]
+        assert out.token_ids[6] not in batch.suppress_token_ids[6]
+        close("sample", out.logprobs, raw[np.arange(len(logits)), out.token_ids].astype(np.float32))
+        assert_same_output(outs[0], out)
+
+
+def test_logit_bias_on_greedy_and_random_rows():
+    """A bias moves the greedy choice and the distribution a row draws from; rows without one,
+    and a batch whose rows all have none, sample as without the field."""
+    rng = np.random.default_rng(11)
+    rows, vocab = 6, 400
+    logits = randn(rng, rows, vocab) * 3
+    params = {"temperature": [0.0, 0.0, 1.0, 1.0, 0.0, 0.7], "top_k": [0, 0, 0, 20, 0, 0], "seeds": np.arange(rows)}
+    plain = spec.sample(logits, make_sampling_batch(rows, **params))
+    nothing = make_sampling_batch(rows, logit_bias=[([], [])] * rows, **params)
+    for out in both(logits, nothing):
+        assert_same_output(plain, out)
+    target, best = 123, np.argsort(-logits[4])
+    bias = [([target], [100.0]), ([], []), ([target], [100.0]), ([target], [100.0]), (best[:3], [-100.0] * 3),
+            ([], [])]
+    batch = make_sampling_batch(rows, logit_bias=bias, **params)
+    for out in both(logits, batch):
+        assert list(out.token_ids[[0, 2, 3]]) == [target] * 3  # +100 all but forces it, top-k included
+        assert out.token_ids[4] == best[3]  # the three best banned
+        assert out.token_ids[1] == plain.token_ids[1] and out.token_ids[5] == plain.token_ids[5]
+        assert out.ranks[0] == np.sum(logits[0] >= logits[0, target])  # ranked in the raw distribution
+
+
+def test_logit_bias_leaves_the_logits_alone():
+    logits = randn(np.random.default_rng(2), 2, 50)
+    batch = make_sampling_batch(2, temperature=[0.0, 0.0], logit_bias=[([3], [50.0]), ([], [])])
+    tensor = pd(logits)
+    REFERENCE_OPS["sample"](tensor, batch)
+    np.testing.assert_array_equal(tensor.numpy(), logits)
+
+
+def test_logit_bias_ids_outside_the_vocabulary_raise():
+    batch = make_sampling_batch(2, logit_bias=[([], []), ([50], [1.0])])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        host_plan.biases(batch, 50)

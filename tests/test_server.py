@@ -71,6 +71,7 @@ class FakeEngineClient:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = 259
+        self.unavailable: dict[str, str] = {}  # as the core's Ready says: fields its backend cannot honour
         self.eos_token_ids = frozenset({2})
         self.config = EngineConfig(model="/models/fake")
         self.delay = delay
@@ -97,7 +98,7 @@ class FakeEngineClient:
         core.check_prompt(token_ids, self.vocab_size, self.max_model_len, 1 << 30, True)
 
     def check_params(self, params: SamplingParams) -> None:
-        core.check_params(params, self.vocab_size)
+        core.check_params(params, self.vocab_size, unavailable=self.unavailable)
 
     def die(self) -> None:
         self.healthy = False
@@ -307,6 +308,51 @@ def test_chat_stop_string(http):
     r = chat(http, stop="de", max_tokens=10)
     choice = r.json()["choices"][0]
     assert choice["message"]["content"] == "abc" and choice["finish_reason"] == "stop"
+
+
+def test_neutral_values_of_unhonoured_fields_pass(http):
+    r = chat(http, use_beam_search=False, length_penalty=1.0, priority=0, modalities=["text"], echo=False,
+             spaces_between_special_tokens=True, logits_processors=[], continue_final_message=False, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert complete(http, prompt_embeds=None, use_beam_search=False, max_tokens=2).status_code == 200
+
+
+def test_token_rules_and_template_fields_reach_the_engine(http, monkeypatch):
+    seen: dict = {}
+    render = http.fake.tokenizer.apply_chat_template
+
+    def capture(messages, add_generation_prompt=True, **kw):
+        seen.update(kw)
+        return render(messages, add_generation_prompt, **kw)
+
+    monkeypatch.setattr(http.fake.tokenizer, "apply_chat_template", capture)
+    docs = [{"title": "t", "text": "d"}]
+    r = chat(http, allowed_token_ids=[5, 6], bad_words=["x y"], documents=docs, reasoning_effort="low", max_tokens=2)
+    assert r.status_code == 200, r.text
+    _, ids, params = http.fake.requests[-1]
+    assert params.allowed_token_ids == [5, 6] and params.bad_words == ["x y"]
+    assert seen == {"documents": docs, "reasoning_effort": "low"}
+    assert ids[0] != 1  # the template placed the special tokens; with add_special_tokens the tokenizer adds BOS too
+    assert chat(http, add_special_tokens=True, max_tokens=2).status_code == 200 and http.fake.requests[-1][1][0] == 1
+    assert complete(http, add_special_tokens=False, max_tokens=2).status_code == 200
+    assert http.fake.requests[-1][1][0] != 1
+
+
+@pytest.mark.parametrize("extra, starts_after, reasoning", [
+    ({"response_format": {"type": "json_object"}}, "</think>", True),
+    ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"enable_thinking": False}}, None, False),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "</think>", True),
+    ({"structured_outputs": {"regex": "a+"}}, None, True),  # the whole output, thought included
+])
+def test_the_answer_is_constrained_after_the_thought(extra, starts_after, reasoning):
+    from fd_server.tools import ChatParsing
+
+    with serve(parsing=ChatParsing(reasoning_parser="qwen3")) as http:
+        r = chat(http, max_tokens=4, **extra)
+        assert r.status_code == 200, r.text
+        assert http.fake.requests[-1][2].structured_outputs.starts_after == starts_after
+        # the fake writes no </think>: with a parser at work, all of it is thought
+        assert ("reasoning_content" in r.json()["choices"][0]["message"]) == reasoning
 
 
 def test_chat_content_parts_and_extra_message_keys(http):
@@ -642,6 +688,13 @@ def test_prefix_cache_and_preemption_metrics(http):
     ({"stop": 3}, None),
     ({"seed": -1}, "seed"),
     ({"stream": "yes"}, "stream"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias.abc"),
+    ({"logit_bias": {"-5": 1.0}}, "logit_bias.-5"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"5": -101}}, "logit_bias.5"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": [[5, 1.0]]}, "logit_bias"),
 ])
 def test_chat_validation_errors_are_400(http, body, param):
     error = assert_error(chat(http, **body), 400)
@@ -654,7 +707,8 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stop": ""}, None),
     ({"min_tokens": 5, "max_tokens": 2}, None),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"259": 1.0}}, "logit_bias"),  # past the vocabulary
+    ({"logit_bias": {"3000000000": 1.0}}, "logit_bias"),  # past any token id
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto needs the flags
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
@@ -664,6 +718,23 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"chat_template_kwargs": {"explode": True}}, "messages"),
     ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
     ({"stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"allowed_token_ids": [3, 9999]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["fine", "   "]}, "bad_words"),
+    # fields of OpenAI and vLLM that fd does not honour (fd_server.refused)
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"priority": 1}, "priority"),
+    ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"echo": True}, "echo"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])
 def test_chat_semantic_errors_are_400(http, body, param):
     assert_error(chat(http, **body), 400, param=param)
@@ -679,10 +750,54 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": ["ok", [1] * 70]}, "prompt.1"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"echo": True, "logprobs": 21}, "logprobs"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"logit_bias": {"x1": 1.0}}, "logit_bias.x1"),
+    ({"logit_bias": {"9999": -1.0}}, "logit_bias"),
 ])
 def test_completion_errors_are_400(http, body, param):
     assert_error(complete(http, **body), 400, param=param)
     assert not http.fake.requests  # a bad prompt anywhere rejects the whole request
+
+
+def test_logit_bias_reaches_the_engine_with_token_ids_as_keys(http):
+    assert chat(http, logit_bias={"5": 1, "258": -100.0, "007": 2.5}).status_code == 200
+    assert complete(http, logit_bias={"0": 100}).status_code == 200
+    assert complete(http, logit_bias={}).status_code == 200
+    assert [p.logit_bias for _, _, p in http.fake.requests] == [{5: 1.0, 258: -100.0, 7: 2.5}, {0: 100.0}, None]
+
+
+def test_logit_bias_on_a_backend_whose_sampler_predates_it_is_400(http):
+    """The core says why its sample ops cannot take the bias (a plugin written before API 1.11):
+    a biased request is refused naming the field, on both endpoints; others run."""
+    http.fake.unavailable = {"logit_bias": "on the cpu backend, its sample op (old-sample, from fd-backend-old) was "
+                                           "written for plugin API 1.10, before 1.11"}
+    for response in (chat(http, logit_bias={"5": 1.0}), complete(http, logit_bias={"5": 1.0})):
+        error = assert_error(response, 400, param="logit_bias")
+        assert "logit_bias is unavailable" in error["message"] and "fd-backend-old" in error["message"]
+    assert not http.fake.requests
+    assert chat(http).status_code == 200 and complete(http, logit_bias={}).status_code == 200
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+])
+def test_structured_output_where_it_cannot_run_is_400_naming_its_source(http, extra, param):
+    """The backend cannot constrain: the 400 names the field the constraint came from (a
+    required or named tool choice is enforced with structured output; that was a 500)."""
+    http.fake.unavailable = {"structured_outputs": "on the cpu backend, its sample op predates 1.10"}
+    error = assert_error(chat(http, **extra), 400, param=param)
+    assert "structured_outputs is unavailable" in error["message"]
+    assert not http.fake.requests
 
 
 def test_malformed_bodies_are_400(http):
@@ -786,6 +901,10 @@ def test_openapi_documents_both_endpoints(http):
         responses = spec["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "404", "429", "503"} <= set(responses)
         assert "422" not in responses
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = spec["components"]["schemas"][request]["properties"]["logit_bias"]["anyOf"][0]
+        assert bias["maxProperties"] == 1024
+        assert bias["patternProperties"] == {"^[0-9]{1,10}$": {"type": "number", "minimum": -100, "maximum": 100}}
 
 
 # -- concurrency, disconnects, a dead engine (real sockets) ----------------------------------

@@ -203,6 +203,7 @@ def test_masks_cover_the_padded_vocabulary(model_dir):
 
     class Row:
         grammar = core.grammars.matcher(S(json_object=True))
+        grammar_after = ()
 
     class Batch:
         allowed_token_bitmask = None
@@ -211,3 +212,33 @@ def test_masks_cover_the_padded_vocabulary(model_dir):
     core.grammars.fill([Row()], batch)
     allowed = unpack_token_bitmask(batch.allowed_token_bitmask, core.model_config.vocab_size)[0]
     assert allowed.any() and not allowed[core.tokenizer.vocab_size:].any()
+
+
+def _single_token_text(llm, tokens, start):
+    """Text of one output token at or after ``start`` that tokenizes back to that token alone."""
+    tokenizer = llm.engine.core.tokenizer
+    for i in range(start, len(tokens)):
+        text = tokenizer.decode([tokens[i]])
+        if text.strip() and tokenizer.encode(text, add_special_tokens=False) == [tokens[i]]:
+            return i, text
+    pytest.skip("no token that tokenizes back to itself")
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_a_grammar_can_wait_for_its_start(async_cpu, model_dir, scheduling):  # noqa: F811
+    """``starts_after`` (a reasoning model's end of thought): the output is free, and the same
+    as without a grammar, up to and including the waking tokens; the grammar holds after."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512,
+              async_scheduling=scheduling == "async")
+    free = llm.generate(["prompt number 0 says"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    at, trigger = _single_token_text(llm, free, 2)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=S(regex=REGEX, starts_after=trigger))
+    out = llm.generate(["prompt number 0 says"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:at + 1] == free[:at + 1]
+    answer = llm.engine.core.tokenizer.decode(out.token_ids[at + 1:])
+    assert re.fullmatch(REGEX, answer) and out.finish_reason == "stop"
+    # a start that never comes: no constraint at all
+    never = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                           structured_outputs=S(regex=REGEX, starts_after="\u2603\u2603\u2603"))
+    assert llm.generate(["prompt number 0 says"], never, use_tqdm=False)[0].outputs[0].token_ids == free

@@ -16,9 +16,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
-from fd_core.loader import resolve_model  # noqa: E402
-from tests.plugins.vendors import require_installed  # noqa: E402
-from tests.servers import Server  # noqa: E402
+from tests.servers import default_model_server  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -57,20 +55,10 @@ PROMPTS = ["Describe a person.", "Tell me about the weather.", "Give me some dat
 
 @pytest.fixture(scope="module", params=["cpu", "xpu"])
 def server(request, tmp_path_factory):
-    """The cpu backend, and a vendor backend emulated on the CPU (its own platform and op table,
-    FD_EMULATE): the same requests pass on both."""
-    try:
-        resolve_model(MODEL)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"the default model is not installed: {exc}")
-    device, env = request.param, {}
-    if device != "cpu":
-        require_installed(device)
-        env["FD_EMULATE"] = device
-    srv = Server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--device", device, "--max-model-len", "2048",
-                 "--num-kv-blocks", "1024", "--max-num-seqs", "32", env=env)
-    srv.device = device
-    with srv:
+    """The cpu backend, and a vendor backend emulated on the CPU: the same requests pass on both."""
+    with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
+                              "--max-model-len", "2048", "--num-kv-blocks", "1024", "--max-num-seqs", "32",
+                              emulated=request.param != "cpu") as srv:
         yield srv
 
 

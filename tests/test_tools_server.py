@@ -1,7 +1,8 @@
 """Tool calling and reasoning through a real ``fd serve`` of SmolLM2 and the ``openai`` client:
 ``tool_choice`` required and named (enforced with structured output, so even this small model's
 calls validate against their tools' parameters), auto with a parser, streamed deltas that
-reassemble to the non-streamed message, reasoning split off with a parser, and the 400s."""
+reassemble to the non-streamed message, reasoning split off with a parser, and the 400s; on the
+cpu backend and on a vendor backend emulated on the CPU."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from fd_core.loader import resolve_model  # noqa: E402
-from tests.servers import Server  # noqa: E402
+from fd_core.bench.datasets import load_tokenizer  # noqa: E402
+from tests.servers import default_model_server  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TOOLS = [
@@ -31,19 +32,11 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
 
 
-def _model() -> None:
-    try:
-        resolve_model(MODEL)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"the default model is not installed: {exc}")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    _model()
-    srv = Server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--max-model-len", "2048",
-                 "--num-kv-blocks", "512", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-    with srv:
+@pytest.fixture(scope="module", params=["cpu", "xpu"])
+def server(request, tmp_path_factory):
+    with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
+                              "--max-model-len", "2048", "--num-kv-blocks", "512", "--tool-call-parser", "hermes",
+                              "--enable-auto-tool-choice", emulated=request.param != "cpu") as srv:
         yield srv
 
 
@@ -136,13 +129,12 @@ def test_bad_tools_are_400_naming_the_field(server, extra, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
-@pytest.fixture(scope="module")
-def thinking_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", "xpu"])
+def thinking_server(request, tmp_path_factory):
     """A server with a reasoning parser and no tool parser."""
-    _model()
-    srv = Server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--max-model-len", "2048",
-                 "--num-kv-blocks", "256", "--reasoning-parser", "deepseek_r1")
-    with srv:
+    with default_model_server(MODEL, request.param, tmp_path_factory.mktemp("log") / "server.log",
+                              "--max-model-len", "2048", "--num-kv-blocks", "256", "--reasoning-parser",
+                              "deepseek_r1", emulated=request.param != "cpu") as srv:
         yield srv
 
 
@@ -160,6 +152,27 @@ def test_reasoning_is_split_whole_and_streamed(thinking_server):
             r += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             c += choice.delta.content or ""
     assert (r, c) == (reasoning, message.content)
+    # include_reasoning false: the thought is split off and dropped, whole and streamed
+    kw["extra_body"]["include_reasoning"] = False
+    message = oai.chat.completions.create(**kw).choices[0].message
+    assert "reasoning_content" not in (message.model_extra or {}) and message.content == c
+    chunks = [choice.delta for chunk in oai.chat.completions.create(stream=True, **kw) for choice in chunk.choices]
+    assert not any((d.model_extra or {}).get("reasoning_content") for d in chunks)
+    assert "".join(d.content or "" for d in chunks) == c
+
+
+def test_token_rules_hold(thinking_server):
+    """allowed_token_ids and bad_words through the server, on each backend."""
+    oai = thinking_server.openai().with_options(timeout=300)
+    ask = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    assert "Paris" in oai.completions.create(**ask).choices[0].text
+    banned = oai.completions.create(**ask, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" not in banned and banned
+    tokenizer = load_tokenizer(MODEL)
+    allowed = tokenizer.encode(" yes no", add_special_tokens=False)
+    r = oai.completions.create(model=MODEL, prompt="Is it?", max_tokens=6, temperature=0,
+                               extra_body={"allowed_token_ids": allowed})
+    assert r.choices[0].text and set(r.choices[0].text.split()) <= {"yes", "no"}
 
 
 def test_auto_tool_choice_needs_the_flags(thinking_server):

@@ -83,8 +83,7 @@ class AsyncEngineClient:
         self.vocab_size = 0
         self.max_num_batched_tokens = 0
         self.chunked_prefill = True
-        self.no_structured_output = ""  # from the core's Ready
-        self.no_prompt_logprobs = ""
+        self.unavailable: dict[str, str] = {}  # from the core's Ready
         self.eos_token_ids: frozenset[int] = frozenset()
         self._proc = None
         self._dir = tempfile.mkdtemp(prefix="fd-")
@@ -149,8 +148,7 @@ class AsyncEngineClient:
         self.eos_token_ids = frozenset(ready.eos_token_ids)
         self.max_num_batched_tokens = ready.max_num_batched_tokens
         self.chunked_prefill = ready.chunked_prefill
-        self.no_structured_output = ready.no_structured_output
-        self.no_prompt_logprobs = ready.no_prompt_logprobs
+        self.unavailable = ready.unavailable
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._last_report = time.monotonic()
         self._processor = OutputProcessor(self.tokenizer)
@@ -200,8 +198,7 @@ class AsyncEngineClient:
 
     def check_params(self, params: SamplingParams) -> None:
         """The core's parameter check, run here so the HTTP layer can answer 400 up front."""
-        check_params(params, self.vocab_size, self.config.max_logprobs, self.no_structured_output,
-                     self.no_prompt_logprobs)
+        check_params(params, self.vocab_size, self.config.max_logprobs, self.unavailable)
 
     def report_age(self) -> float:
         """Seconds since the core last reported: it does after every step and, when idle, every

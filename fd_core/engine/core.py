@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fd_core.engine.bad_words import needs_history, tokenize_bad_words
 from fd_core.engine.block_pool import BlockPool
 from fd_core.engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -38,6 +39,7 @@ from fd_core.errors import (
     check_text,
 )
 from fd_core.interfaces import Platform, SampleOutput
+from fd_core.interfaces.ops import pack_token_bitmask
 from fd_core.models import TensorParallel, moe_spec
 from fd_core.phases import log as startup
 from fd_core.phases import phase
@@ -112,27 +114,35 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
 
 
 def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS,
-                 no_structured_output: str = "", no_prompt_logprobs: str = "") -> None:
+                 unavailable: dict[str, str] | None = None) -> None:
     """Reject sampling parameters that name tokens the model does not have, ask for more
-    logprobs than the engine allows, or ask for structured output or prompt logprobs where they
-    cannot run (``no_structured_output``, ``no_prompt_logprobs``: why, "" where they can).
-    SamplingParams cannot check these: it knows neither the model, --max-logprobs nor the
-    backend."""
-    if params.structured_outputs is not None and no_structured_output:
-        raise InvalidRequestError(f"structured output is unavailable: {no_structured_output}",
-                                  param="structured_outputs")
-    if params.prompt_logprobs is not None and no_prompt_logprobs:
-        raise InvalidRequestError(f"prompt_logprobs is unavailable: {no_prompt_logprobs}", param="prompt_logprobs")
-    bad = [t for t in params.stop_token_ids or [] if t >= vocab_size]
-    if bad:
-        raise InvalidRequestError(f"stop_token_ids must be below the vocabulary size {vocab_size}, got {bad[:3]}",
-                                  param="stop_token_ids")
+    logprobs than the engine allows, or use a field this engine cannot honour (``unavailable``:
+    field name -> why, from ``EngineCore.unavailable``). SamplingParams cannot check these: it
+    knows neither the model, --max-logprobs nor the backend."""
+    for name, why in (unavailable or {}).items():
+        if _asks(getattr(params, name, None)):
+            raise InvalidRequestError(f"{name} is unavailable: {why}", param=name)
+    for param, what, ids in (("stop_token_ids", "stop_token_ids", params.stop_token_ids or []),
+                             ("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or []),
+                             ("logit_bias", "logit_bias's token ids", params.logit_bias or {})):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{what} must be below the vocabulary size {vocab_size}, got {bad[:3]}",
+                                      param=param)
     most = min(max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, name)
         if asked is not None and asked > most:
             raise InvalidRequestError(f"{name} {asked} is more than this engine returns: at most {most} "
                                       f"(--max-logprobs)", param=name)
+
+
+def _asks(value: object) -> bool:
+    """Whether a sampling field's value asks for anything: prompt_logprobs=0 does (the prompt's
+    own logprobs), an empty logit_bias or bad_words list does not."""
+    if isinstance(value, (dict, list, tuple, str)):
+        return bool(value)
+    return value is not None and value is not False
 
 
 def check_cache_salt(salt: object) -> None:
@@ -245,8 +255,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
-        self._no_masks: str | None = None  # why the sample ops cannot apply a bitmask; None: not asked yet
-        self._no_scores: str | None = None  # why prompt tokens cannot be scored; None: not asked yet
+        self._unavailable: dict[str, str] | None = None  # unavailable(), once asked
         self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
@@ -315,12 +324,19 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         self.check_prompt(token_ids)
-        check_params(params, self.model_config.vocab_size, self.config.max_logprobs,
-                     self.no_structured_output() if params.structured_outputs else "",
-                     self.no_prompt_logprobs() if params.prompt_logprobs is not None else "")
+        check_params(params, self.model_config.vocab_size, self.config.max_logprobs, self.unavailable())
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         grammar = self._structured().matcher(params.structured_outputs) if params.structured_outputs else None
+        allowed = None
+        if params.allowed_token_ids:
+            row = np.zeros((1, self.model_config.vocab_size), dtype=bool)
+            row[0, params.allowed_token_ids] = True
+            allowed = pack_token_bitmask(row)[0]
+        words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else ()
+        after = ()
+        if grammar is not None and params.structured_outputs.starts_after:
+            after = tuple(self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False))
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
@@ -333,6 +349,7 @@ class EngineCore:
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
                 max_tokens=max_tokens, cache_salt=cache_salt, queued_at=now,
                 grammar=None if grammar is None else grammar.deep_copy() if i else grammar,
+                allowed_tokens=allowed, bad_words=words, grammar_after=after,
             )
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
@@ -347,19 +364,23 @@ class EngineCore:
         self.seqs[request_id] = seqs
         self.stats["prompt_tokens"] += len(token_ids) * params.n
 
-    def no_structured_output(self) -> str:
-        """Why this engine cannot constrain a request's output ("" where it can)."""
-        if self.tokenizer is None:
-            return "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
-        if self._no_masks is None:
-            self._no_masks = self.executor.masks_unsupported()
-        return f"on the {self.platform.name} backend, {self._no_masks}" if self._no_masks else ""
-
-    def no_prompt_logprobs(self) -> str:
-        """Why this engine cannot return prompt logprobs ("" where it can)."""
-        if self._no_scores is None:
-            self._no_scores = self.executor.prompt_logprobs_unsupported()
-        return f"on the {self.platform.name} backend, {self._no_scores}" if self._no_scores else ""
+    def unavailable(self) -> dict[str, str]:
+        """The sampling fields this engine cannot honour, each with why (``check_params``);
+        asked of the ranks' op tables once."""
+        if self._unavailable is None:
+            out = {}
+            for since, names in (("1.10", ("structured_outputs", "allowed_token_ids")), ("1.11", ("logit_bias",))):
+                why = self.executor.sample_lacks(since)
+                if why:
+                    out.update(dict.fromkeys(names, f"on the {self.platform.name} backend, {why}"))
+            if self.tokenizer is None:
+                why = "it needs the model's tokenizer, and this engine was started without one (skip_tokenizer_init)"
+                out["structured_outputs"] = out["bad_words"] = why
+            why = self.executor.scores_lack()
+            if why:
+                out["prompt_logprobs"] = f"on the {self.platform.name} backend, {why}"
+            self._unavailable = out
+        return self._unavailable
 
     def _structured(self) -> GrammarMatchers:
         """The engine's grammar matchers, made on first use (building llguidance's view of the
@@ -447,7 +468,7 @@ class EngineCore:
             slots.append(len(seq.output_token_ids))
             if not seq.finished:  # one that ended on the token just read gets none
                 seq.output_token_ids.append(PLACEHOLDER)
-        read_first = bool(parents) or any(s.params.penalised for s in launched.sampled)
+        read_first = bool(parents) or any(s.params.penalised or needs_history(s.bad_words) for s in launched.sampled)
         self._in_flight = _InFlight(launched, slots, read_first)
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)
@@ -554,7 +575,13 @@ class EngineCore:
                     output.prefill_time = time.monotonic() - seq.scheduled_at
                 if seq.prompt_scored is not None:
                     output.prompt_logprobs = self._prompt_logprobs(seq)
-            ended = self.grammars.advance(seq.grammar, token) if seq.grammar is not None else None
+            ended = None
+            if seq.grammar_after:  # its grammar waits for these tokens; the next token is the first it holds
+                after = seq.grammar_after
+                if tuple(seq.output_token_ids[max(0, count - len(after)):count]) == after:
+                    seq.grammar_after = ()
+            elif seq.grammar is not None:
+                ended = self.grammars.advance(seq.grammar, token)
             if (ended or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count, ended)

@@ -67,8 +67,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     max_num_batched_tokens: int  # as resolved against the backend
     chunked_prefill: bool
-    no_structured_output: str  # why requests cannot be constrained ("" where they can)
-    no_prompt_logprobs: str = ""  # why prompt tokens cannot be scored ("" where they can)
+    unavailable: dict[str, str]  # sampling fields the core cannot honour -> why (core.check_params)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -191,8 +190,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             model=config.model, max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
             num_blocks=core.pool.capacity, max_num_batched_tokens=config.max_num_batched_tokens,
-            chunked_prefill=config.enable_chunked_prefill, no_structured_output=core.no_structured_output(),
-            no_prompt_logprobs=core.no_prompt_logprobs(),
+            chunked_prefill=config.enable_chunked_prefill, unavailable=core.unavailable(),
         )))
         try:
             _serve(core, inbox, outbox, encoder, parent_pid)

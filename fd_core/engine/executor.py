@@ -209,9 +209,9 @@ class Executor:
         """Every rank's ``(free, total, peak)`` after a profiling step (ModelRunner.profile_memory)."""
         return self._all_ranks("profile_memory", num_tokens, num_rows, max_model_len, dtype)
 
-    def masks_unsupported(self) -> str:
-        """Why the sample ops cannot apply structured output's bitmask ("" if they can)."""
-        return self._everywhere("masks_unsupported")
+    def sample_lacks(self, since: str) -> str:
+        """Why the sample ops cannot do what contract ``since`` added to them ("" if they can)."""
+        return self._everywhere("sample_lacks", since)
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str) -> None:
         self._everywhere("initialize_kv_cache", num_blocks, dtype)
@@ -229,9 +229,9 @@ class Executor:
         if pairs:
             self._everywhere("copy_blocks", pairs)
 
-    def prompt_logprobs_unsupported(self) -> str:
+    def scores_lack(self) -> str:
         """Why the engine cannot score prompt tokens (prompt_logprobs; "" if it can)."""
-        return self._everywhere("scores_unsupported")
+        return self._everywhere("scores_lack")
 
     def _step_inputs(self, scheduled: list[ScheduledSeq], score: bool
                      ) -> tuple[StepInputs, list[Sequence], SamplingBatch | None, Scored]:

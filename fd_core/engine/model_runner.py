@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fd_core.engine import bad_words
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
@@ -30,6 +31,7 @@ from fd_core.interfaces import (
 )
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_NO_BIAS = (_EMPTY, np.zeros(0, dtype=np.float32))  # a row without logit_bias beside one with
 
 
 # (sequence, first, end): the step scored the sequence's prompt tokens first..end-1, in order
@@ -211,11 +213,12 @@ class ModelRunner:
     def memory_info(self) -> tuple[int, int]:
         return self.memory.memory_info()
 
-    def masks_unsupported(self) -> str:
-        """Why this rank's sample ops cannot apply structured output's bitmask ("" if they can)."""
-        return self.ops.lacks("sample", "1.10") or self.ops.lacks("sample_async", "1.10")
+    def sample_lacks(self, since: str) -> str:
+        """Why this rank's sample ops cannot do what contract ``since`` added to them ("" if
+        they can): structured output's bitmask (1.10), logit_bias (1.11)."""
+        return self.ops.lacks("sample", since) or self.ops.lacks("sample_async", since)
 
-    def scores_unsupported(self) -> str:
+    def scores_lack(self) -> str:
         """Why this rank cannot score prompt tokens (prompt_logprobs; "" if it can)."""
         return "" if self.ops.has("token_logprobs") else "its op table has no token_logprobs op"
 
@@ -368,14 +371,24 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
     penalised = first.penalised if shared else any(p.penalised for p in params)
+    biased = first.biased if shared else any(p.biased for p in params)
     suppress = []
     for seq in seqs:
+        banned = _EMPTY
         # min_tokens: the ways a sequence could end are banned until it has produced enough
         if len(seq.output_token_ids) < seq.params.min_tokens:
-            stop_ids = np.array(seq.params.stop_token_ids or [], dtype=np.int64)
-            suppress.append(np.union1d(eos_token_ids, stop_ids))
-        else:
-            suppress.append(_EMPTY)
+            banned = np.union1d(eos_token_ids, np.array(seq.params.stop_token_ids or [], dtype=np.int64))
+        if seq.bad_words:
+            banned = np.union1d(banned, bad_words.banned(seq.bad_words, seq.output_token_ids))
+        suppress.append(banned)
+    allowed = None
+    if any(s.allowed_tokens is not None for s in seqs):
+        # the static part of the bitmask; structured output's matchers narrow it (GrammarMatchers.fill)
+        width = next(len(s.allowed_tokens) for s in seqs if s.allowed_tokens is not None)
+        allowed = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            if seq.allowed_tokens is not None:
+                allowed[row] = seq.allowed_tokens
     return SamplingBatch(
         temperature=col("temperature", np.float32),
         top_p=col("top_p", np.float32),
@@ -390,4 +403,7 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         output_token_ids=[np.asarray(s.output_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
+        allowed_token_bitmask=allowed,
+        # None unless some row has one: sampling then costs nothing extra
+        logit_bias=[p.bias_arrays if p.biased else _NO_BIAS for p in params] if biased else None,
     )

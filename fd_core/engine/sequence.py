@@ -57,6 +57,11 @@ class Sequence:
     queued_at: float = 0.0
     scheduled_at: float | None = None
     grammar: Any = None  # its llguidance matcher (structured output), advanced on every token
+    # while its grammar waits (StructuredOutputsParams.starts_after): the tokens that wake it
+    grammar_after: tuple[int, ...] = ()
+    # its request's allowed_token_ids as one row of a token bitmask (int32), shared by its n outputs
+    allowed_tokens: Any = None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids (fd_core.engine.bad_words)
     # prompt_logprobs: prompt tokens scored so far, the first (which has none) counted; None when
     # not asked (and for a request's forks: the first sequence scores the prompt for all)
     prompt_scored: int | None = None

@@ -112,15 +112,22 @@ class SamplingBatch:
     and ``min_p == 0`` disable theirs. Penalties follow vLLM/OpenAI: ``repetition_penalty`` (1 =
     off) divides positive and multiplies negative logits of every token seen in the prompt or the
     output; ``frequency_penalty`` subtracts ``count_in_output * f``; ``presence_penalty`` subtracts
-    ``p`` once for every token present in the output. ``suppress_token_ids[i]`` get ``-inf`` (used
-    for ``min_tokens``). ``allowed_token_bitmask`` (API 1.10; None: no constraint) is int32
+    ``p`` once for every token present in the output. ``logit_bias`` (API 1.11; None: no row has
+    one) holds per row ``(ids, values)``, int64 token ids (distinct, each below V) and float32
+    biases added to those logits (OpenAI's ``logit_bias``; a row without one has two empty
+    arrays): first, before the penalties, as vLLM applies it, so the repetition penalty scales
+    the biased logit. ``suppress_token_ids[i]`` get ``-inf`` (used for ``min_tokens``), whatever
+    their bias. ``allowed_token_bitmask`` (API 1.10; None: no constraint) is int32
     ``[S, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32`` set where row ``i`` may sample token
-    ``t`` (structured output's grammar): every other token gets ``-inf`` after the penalties and
-    suppression, so it is never sampled; a row with no constraint has every bit set
-    (``pack_token_bitmask``). Raw logprobs, ranks and top logprobs stay those of the unmasked
-    model distribution, as with suppression. Randomness is the counter-based noise of ``OP_SPECS["sample"]``, a
-    function of ``(seeds[i], steps[i], token id)`` only, so a seeded row gives the same token
-    whatever else is in the batch. Seeds are in ``[0, 2**63)``; a step enters by its low 32 bits.
+    ``t`` (structured output's grammar): every other token gets ``-inf`` after the bias,
+    penalties and suppression, so it is never sampled, however large its bias; a row with no
+    constraint has every bit set (``pack_token_bitmask``). Raw logprobs, ranks and top logprobs
+    stay those of the unbiased, unmasked model distribution, as with suppression. The engine
+    hands neither field to a sample op whose package declares an API older than the one that
+    added it: it refuses those requests instead (``OpTable.lacks``). Randomness is the
+    counter-based noise of ``OP_SPECS["sample"]``, a function of ``(seeds[i], steps[i], token
+    id)`` only, so a seeded row gives the same token whatever else is in the batch. Seeds are in
+    ``[0, 2**63)``; a step enters by its low 32 bits.
     """
 
     temperature: np.ndarray  # float32 [S]
@@ -137,6 +144,7 @@ class SamplingBatch:
     suppress_token_ids: list[np.ndarray]  # per row
     num_logprobs: int = 0  # top logprobs to return per row (0: only the sampled token's)
     allowed_token_bitmask: np.ndarray | None = None  # int32 [S, ceil(V/32)] (API 1.10)
+    logit_bias: list[tuple[np.ndarray, np.ndarray]] | None = None  # per row (int64 ids, float32 biases) (API 1.11)
 
     @property
     def needs_penalties(self) -> bool:
@@ -312,10 +320,11 @@ OP_SPECS: dict[str, OpSpec] = {
             "sample",
             "sample(logits: T[S, V], batch: SamplingBatch) -> SampleOutput",
             """
-            In float32: raw logprobs = log_softmax(logits) (reported); then penalties,
-            suppression, greedy rows take argmax; others divide by temperature, apply top-k, then
-            top-p (smallest set whose probability reaches top_p, always at least one token), then
-            min-p (drop tokens below min_p * max prob), renormalise, and draw:
+            In float32: raw logprobs = log_softmax(logits) (reported); then the logit bias
+            (``logits[i, ids] += values``, API 1.11), penalties, suppression, the allowed-token
+            bitmask (API 1.10); greedy rows take argmax; others divide by temperature, apply
+            top-k, then top-p (smallest set whose probability reaches top_p, always at least one
+            token), then min-p (drop tokens below min_p * max prob), renormalise, and draw:
             token = argmax(probs / noise) (ties: lowest id), the Exponential(1) noise being
             counter-based, a function of (seed, step, token id t) computed element-wise with
             32-bit unsigned arithmetic (xor, shifts, multiplication mod 2**32) and one float32
@@ -340,9 +349,9 @@ OP_SPECS: dict[str, OpSpec] = {
             where two tokens' probs / noise are within a few ulps of each other, or where a top-p
             or min-p boundary falls within rounding of a token: near-exact ties.
 
-            Details, chosen as vLLM does where it has a rule: penalties and suppression apply to
-            every row, greedy ones included, and greedy takes the argmax of the resulting logits
-            (ties: lowest id). Top-k keeps every token at least as likely as the k-th (ties at the
+            Details, chosen as vLLM does where it has a rule: the bias comes before the penalties;
+            the bias, penalties and suppression apply to every row, greedy ones included, and
+            greedy takes the argmax of the resulting logits (ties: lowest id). Top-k keeps every token at least as likely as the k-th (ties at the
             edge stay). Top-p keeps tokens, most likely first, while the mass before them is below
             top_p, widened to every token tied with the last one kept. Min-p drops tokens strictly
             below min_p * max prob. The noise is float32 before the division. ``ranks``

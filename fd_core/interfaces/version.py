@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.10.0"
+API_VERSION = "1.11.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -29,6 +29,9 @@ API_VERSION = "1.10.0"
 # 1.9: Platform.default_dtype (optional): what --dtype auto (now the default) means there
 # 1.10: SamplingBatch.allowed_token_bitmask: sample and sample_async leave out the tokens a
 #      row's packed bitmask clears (structured output)
+# 1.11: SamplingBatch.logit_bias: sample and sample_async add each row's per-token biases to its
+#      logits before the penalties (OpenAI's logit_bias); the optional token_logprobs op (the
+#      logprobs of given tokens, for prompt_logprobs)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -275,6 +275,14 @@ def penalties(batch: SamplingBatch, vocab: int) -> Penalties:
     )
 
 
+def biases(batch: SamplingBatch, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ids (``flat_ids``) of every biased token and their float32 biases; empty where
+    ``batch.logit_bias`` is None. A row's ids are distinct, so no two entries share a flat id."""
+    rows = batch.logit_bias or []
+    values = [np.zeros(0, dtype=np.float32)] + [np.asarray(v, dtype=np.float32).reshape(-1) for _, v in rows]
+    return flat_ids([ids for ids, _ in rows], vocab), np.concatenate(values)
+
+
 def suppressed(batch: SamplingBatch, vocab: int) -> np.ndarray:
     """Flat ids of every suppressed token, unique."""
     return np.unique(flat_ids(batch.suppress_token_ids, vocab))

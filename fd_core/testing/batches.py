@@ -11,8 +11,9 @@ from fd_core.interfaces.ops import SamplingBatch
 
 def make_sampling_batch(num_rows: int, **fields: Any) -> SamplingBatch:
     """A ``SamplingBatch`` of ``num_rows`` rows: temperature 1, no top-k/top-p/min-p, no
-    penalties, seeds ``0..num_rows-1``, step 0, no token lists, no logprobs. A keyword of a
-    field's name gives that field, one value per row (``num_logprobs``: one number)."""
+    penalties, seeds ``0..num_rows-1``, step 0, no token lists, no logprobs, no logit bias. A
+    keyword of a field's name gives that field, one value per row (``num_logprobs``: one number;
+    ``logit_bias``: an ``(ids, biases)`` pair per row)."""
 
     def column(name: str, value: Any, dtype: Any) -> np.ndarray:
         return np.asarray(fields.get(name, [value] * num_rows), dtype=dtype)
@@ -34,4 +35,6 @@ def make_sampling_batch(num_rows: int, **fields: Any) -> SamplingBatch:
         output_token_ids=ids("output_token_ids"),
         suppress_token_ids=ids("suppress_token_ids"),
         num_logprobs=fields.get("num_logprobs", 0),
+        logit_bias=None if fields.get("logit_bias") is None else [
+            (np.asarray(ids, np.int64), np.asarray(biases, np.float32)) for ids, biases in fields["logit_bias"]],
     )

@@ -22,7 +22,7 @@ from fd_core.interfaces import (
     Memory,
     SampleOutput,
 )
-from fd_core.interfaces.ops import pack_token_bitmask
+from fd_core.interfaces.ops import SamplingBatch, pack_token_bitmask
 from fd_core.plugins.ops import op_context
 from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.kv_cache import KV_QUANTIZED, quantized_cache
@@ -258,7 +258,7 @@ def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     compare(case, impl, "output", dev.get(out), want)
 
 
-def sampling_batch(case: OpCase, rng: np.random.Generator, rows: int, vocab: int):
+def sampling_batch(case: OpCase, rng: np.random.Generator, rows: int, vocab: int, logits: np.ndarray):
     kind = case.params["kind"]
 
     def pick(options: list) -> list:
@@ -293,10 +293,53 @@ def sampling_batch(case: OpCase, rng: np.random.Generator, rows: int, vocab: int
                 allowed[i, np.setdiff1d(np.arange(vocab), ids)[0]] = True
         batch.allowed_token_bitmask = pack_token_bitmask(allowed)
         return batch
+    if kind == "logit_bias":
+        return _biased_batch(rng, logits, common)
     return make_sampling_batch(  # penalties and suppression, greedy and random rows
         rows, temperature=pick([0.0, 0.8]), presence_penalty=pick([0.0, 0.5, -0.3]),
         frequency_penalty=pick([0.0, 0.2]), repetition_penalty=pick([1.0, 1.3, 0.8]),
         prompt_token_ids=tokens(12), output_token_ids=tokens(20), suppress_token_ids=tokens(4), **common)
+
+
+def _biased_batch(rng: np.random.Generator, logits: np.ndarray, common: dict) -> SamplingBatch:
+    """OpenAI's logit_bias (API 1.11) on 8 rows, each a way to get it wrong: 0 and 7 have none
+    (beside rows that do); 1 is greedy, flipped to its fifth best token by a bias just large
+    enough; 2 bans its argmax with -100; 3 is greedy with its argmax seen under a repetition
+    penalty of 2 and biased so that the runner-up wins only if the bias comes before the penalty
+    (vLLM's order); 4 is filtered and penalised, 64 tokens biased either way; 5 has a grammar
+    whose mask must beat a +100 bias, its allowed tokens raised; 6 draws with +100 on a
+    suppressed token."""
+    rows, vocab = logits.shape
+    order = np.argsort(-logits, axis=1, kind="stable")
+    bias: list[tuple[Any, Any]] = [([], [])] * rows
+
+    def row_bias(i: int, ids: list[int] | np.ndarray, values: list[float] | np.ndarray) -> None:
+        bias[i] = (ids, values)
+
+    fifth = order[1, 4]
+    row_bias(1, [fifth, order[1, 0]], [logits[1, order[1, 0]] - logits[1, fifth] + 0.5, -0.25])
+    row_bias(2, [order[2, 0]], [-100.0])
+    best, second = logits[3, order[3, 0]], logits[3, order[3, 1]]
+    # after the bias then the penalty, (best + b) / 2 < second; the other way, best / 2 + b > second
+    row_bias(3, [order[3, 0]], [1.5 * second - 0.75 * best])
+    row_bias(4, rng.choice(vocab, 64, replace=False), rng.uniform(-8, 8, 64))
+    allowed = np.ones((rows, vocab), dtype=bool)
+    allowed[5] = rng.random(vocab) < 0.1
+    banned, raised = np.flatnonzero(~allowed[5])[:1], np.flatnonzero(allowed[5])[-3:]
+    row_bias(5, np.concatenate([banned, raised]), [100.0, 5.0, 12.0, -3.0])
+    suppressed = order[6, :3]
+    row_bias(6, [suppressed[0], order[6, 10]], [100.0, 2.0])
+    tokens = [[]] * rows
+    tokens[3] = [int(order[3, 0])]
+    tokens[4] = list(rng.integers(0, vocab, 12))
+    batch = make_sampling_batch(
+        rows, temperature=[0.0, 0.0, 0.0, 0.0, 0.8, 0.0, 1.0, 1.3], top_k=[0, 0, 0, 0, 40, 0, 0, 0],
+        top_p=[1.0, 1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0], min_p=[0.0] * 7 + [0.05],
+        repetition_penalty=[1.0, 1.0, 1.0, 2.0, 1.3, 1.0, 1.0, 1.0],
+        presence_penalty=[0.0] * 4 + [0.5] + [0.0] * 3, frequency_penalty=[0.0] * 4 + [0.2] + [0.0] * 3,
+        output_token_ids=tokens, suppress_token_ids=[[]] * 6 + [suppressed] + [[]], logit_bias=bias, **common)
+    batch.allowed_token_bitmask = pack_token_bitmask(allowed)
+    return batch
 
 
 def _compare_samples(case: OpCase, impl: str, got: SampleOutput, want: SampleOutput) -> None:
@@ -311,7 +354,7 @@ def _sample(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     rows, vocab = case.params["rows"], case.params["vocab"]
     rng = _rng(case)
     logits, lh = dev.put(_randn(rng, rows, vocab, scale=2.0))
-    batch = sampling_batch(case, rng, rows, vocab)
+    batch = sampling_batch(case, rng, rows, vocab, lh)
     got = fn(logits, batch)
     if case.op == "sample_async":
         ids, _ = dev.put(np.full(rows + 2, -1, np.int64))
@@ -460,7 +503,8 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                             renormalize=True, experts_quantized=method))
         for op in ("sample", "sample_async"):
             for kind, rows, vocab, logprobs in [("greedy", 5, 1000, 0), ("filters", 8, 1000, 5),
-                                                ("penalties", 8, 300, 1), ("grammar", 8, 1003, 3)]:
+                                                ("penalties", 8, 300, 1), ("grammar", 8, 1003, 3),
+                                                ("logit_bias", 8, 1000, 2)]:
                 add(op, f"{kind} logits[{rows}, {vocab}]" + (f" top {logprobs} logprobs" if logprobs else ""),
                     params=dict(kind=kind, rows=rows, vocab=vocab, logprobs=logprobs))
         for rows, vocab, logprobs in [(1, 1000, 0), (37, 1000, 5), (6, 1003, 20)]:

@@ -350,6 +350,14 @@ def sampling_noise(seeds: np.ndarray, steps: np.ndarray, vocab: int) -> np.ndarr
     return out
 
 
+def apply_logit_bias(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    """Each row's ``logit_bias`` added to its logits, in float32 (a copy)."""
+    out = logits.astype(np.float32).copy()
+    for i, (ids, values) in enumerate(batch.logit_bias or []):
+        out[i, ids] += np.asarray(values, dtype=np.float32)
+    return out
+
+
 def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
     """Repetition, then frequency and presence penalties, as vLLM applies them."""
     out = logits.astype(np.float32).copy()
@@ -408,7 +416,7 @@ def sample(logits: np.ndarray, batch: SamplingBatch) -> SampleOutput:
     scores = logits.astype(np.float32)
     raw = _log_softmax(scores).astype(np.float32)
     num_rows, vocab = logits.shape
-    x = apply_penalties(logits, batch)
+    x = apply_penalties(apply_logit_bias(logits, batch), batch)
     for i, ids in enumerate(batch.suppress_token_ids):
         x[i, ids] = -np.inf
     if batch.allowed_token_bitmask is not None:

@@ -11,6 +11,7 @@ from fastapi import Request
 from fd_core.engine.detokenizer import stop_holdback
 from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from fd_server import params as P
+from fd_server import refused
 from fd_server.parsers import ReasoningParser
 from fd_server.protocol import (
     AssistantMessage,
@@ -46,6 +47,7 @@ from fd_server.tools import ToolPlan, plan
 async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Any:
     arrival = time.monotonic()
     P.check_model(body, ctx.model_names)
+    refused.check(body)
     P.check_sequences(1, body.n, ctx.max_sequences_per_request)
     client = ctx.client
     constraint = await ctx.offload(structured_outputs, body)  # compiling a grammar may take a while
@@ -56,17 +58,22 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
                                                 tools.tools if tools is not None else None)
     P.check_prompt(client, prompt_ids, "messages")
     logprobs = P.chat_logprobs(body)
+    # response_format and a required or named tool choice describe the answer: with a reasoning
+    # parser and thinking on, their grammar holds once the thought has ended (as vLLM's); with
+    # thinking off, from the first token, and there is no reasoning to split off. A grammar given
+    # as structured_outputs or guided_* describes the whole output, thought included.
+    reasoning, thinking = ctx.parsing.reasoning(), _thinking(body)
+    answer_only = constraint is not None and constraint.field in ("response_format", "tool_choice")
+    if answer_only and reasoning is not None:
+        if thinking:
+            constraint = constraint.after(reasoning.end)
+        else:
+            reasoning = None
     sampling = P.sampling_params(
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs,
         logprobs_param="top_logprobs", constraint=constraint, prompt_logprobs=P.prompt_logprobs(body))
-    # response_format and a required or named tool choice describe the answer, and their grammar
-    # holds from the first token (one that starts after the thought is not built yet): such a
-    # reply has no reasoning to split off. A grammar given as structured_outputs or guided_*
-    # describes the whole output, thought included.
-    answer_only = (tools is not None and tools.constraint is not None) or (
-        body.response_format is not None and body.response_format.type != "text")
-    reader = Reader(None if answer_only else ctx.parsing.reasoning(), tools, _thinking(body))
+    reader = Reader(reasoning, tools, thinking, body.include_reasoning)
     batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout, ctx.log_requests)
     batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:
@@ -97,9 +104,11 @@ class Reader:
     """Turns a choice's text into the assistant message: reasoning split off first
     (``--reasoning-parser``), then tool calls read from what follows (the request's tool plan)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolPlan | None, thinking: bool) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolPlan | None, thinking: bool,
+                 include_reasoning: bool = True) -> None:
         self.reasoning, self.thinking = reasoning, thinking
         self.tools = tools.parser if tools is not None else None
+        self.include_reasoning = include_reasoning  # false: the thought is split off and dropped
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         reasoning, content = None, text
@@ -108,7 +117,7 @@ class Reader:
         calls = []
         if self.tools is not None:
             content, calls = self.tools.parse(content or "")
-        message = AssistantMessage(content=content, reasoning_content=reasoning,
+        message = AssistantMessage(content=content, reasoning_content=reasoning if self.include_reasoning else None,
                                    tool_calls=[c.to_openai() for c in calls])
         return message, "tool_calls" if calls else finish_reason
 
@@ -122,6 +131,7 @@ class ChoiceStream:
     def __init__(self, reader: Reader) -> None:
         self.reasoning = reader.reasoning.stream(reader.thinking) if reader.reasoning is not None else None
         self.tools = reader.tools.stream() if reader.tools is not None else None
+        self.include_reasoning = reader.include_reasoning
 
     def feed(self, delta: str, done: bool) -> tuple[str, str, list[dict]]:
         reasoning, content = ("", delta) if self.reasoning is None else self.reasoning.feed(delta)
@@ -134,7 +144,7 @@ class ChoiceStream:
             if done:
                 more, more_calls = self.tools.finish()
                 content, calls = content + more, calls + more_calls
-        return reasoning, content, [c.to_openai() for c in _merged(calls)]
+        return reasoning if self.include_reasoning else "", content, [c.to_openai() for c in _merged(calls)]
 
     @property
     def called(self) -> bool:

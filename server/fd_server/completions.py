@@ -19,6 +19,7 @@ from fastapi import Request
 from fd_core.engine.detokenizer import stop_holdback
 from fd_core.engine.outputs import Logprob, RequestOutput
 from fd_server import params as P
+from fd_server import refused
 from fd_server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -47,6 +48,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 async def create(ctx: ServerContext, body: CompletionRequest, request: Request) -> Any:
     arrival = time.monotonic()
     P.check_model(body, ctx.model_names)
+    refused.check(body)
     client = ctx.client
     prompts = await ctx.offload(P.completion_prompts, body, ctx.tokenizer, client.max_model_len,
                                 ctx.max_sequences_per_request)

@@ -13,10 +13,10 @@ from typing import Any
 
 from fd_core.engine.prompts import encode_prompt
 from fd_core.engine.sampling_params import SamplingParams
-from fd_core.engine.structured import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError, PromptTooLongError
 from fd_server.errors import APIError, bad_request
 from fd_server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from fd_server.structured import Constraint
 
 
 def check_model(request: SamplingFields, served_model_names: Sequence[str]) -> None:
@@ -39,11 +39,6 @@ def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
         raise bad_request(str(exc), param=param) from exc
 
 
-def _unsupported(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by this server.", param="logit_bias")
-
-
 def prompt_logprobs(request: SamplingFields, echoed: int | None = None) -> int | None:
     """How many top logprobs of each prompt token the engine computes: the request's
     ``prompt_logprobs``, and ``echoed`` (completions' ``echo`` with ``logprobs``, whose answer
@@ -56,13 +51,12 @@ def prompt_logprobs(request: SamplingFields, echoed: int | None = None) -> int |
 
 def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
                     max_tokens: int | None, default_max_tokens: int | None, logprobs: int | None,
-                    logprobs_param: str = "logprobs", constraint: StructuredOutputsParams | None = None,
+                    logprobs_param: str = "logprobs", constraint: Constraint | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for one prompt of ``prompt_len`` tokens (already checked to fit);
     ``logprobs_param``: the request field ``logprobs`` came from; ``constraint``: the
     request's structured output (``fd_server.structured``); ``prompt_logprobs``: see the
     function of that name."""
-    _unsupported(request)
     max_model_len = client.max_model_len
     room = max_model_len - prompt_len
     min_tokens = request.min_tokens
@@ -82,33 +76,25 @@ def sampling_params(client: Any, request: SamplingFields, *, prompt_len: int,
             seed=request.seed, stop=request.stop, stop_token_ids=request.stop_token_ids,
             max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=request.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=request.skip_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, structured_outputs=constraint,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=constraint.params if constraint is not None else None,
+            allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
+            logit_bias=request.logit_bias or None,
         )
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    try:
         client.check_params(params)  # the core's own check: the vocabulary, --max-logprobs, the backend
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param=_request_field(request, exc.param, logprobs_param)) from exc
+        param = exc.param
+        if param == "logprobs":
+            param = logprobs_param
+        elif param == "prompt_logprobs" and request.prompt_logprobs is None:
+            param = "echo"  # completions' echo with logprobs asked for them
+        elif param == "structured_outputs" and constraint is not None:
+            param = constraint.field  # response_format, guided_json, tool_choice...
+        raise bad_request(str(exc), param=param) from exc
     return params
-
-
-def _request_field(request: SamplingFields, param: str | None, logprobs_param: str) -> str | None:
-    """The request field a SamplingParams field came from."""
-    if param == "logprobs":
-        return logprobs_param
-    if param == "prompt_logprobs" and request.prompt_logprobs is None:
-        return "echo"  # completions' echo with logprobs asked for them
-    if param == "structured_outputs":
-        return _constraint_field(request)
-    return param
-
-
-def _constraint_field(request: SamplingFields) -> str:
-    """The request field its structured output came from."""
-    if getattr(request, "response_format", None) is not None and request.response_format.type != "text":
-        return "response_format"
-    if request.structured_outputs is not None:
-        return "structured_outputs"
-    return next(name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                if getattr(request, name) is not None)
 
 
 # -- chat ------------------------------------------------------------------------------------
@@ -144,6 +130,10 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
         raise bad_request("top_logprobs needs logprobs set to true.", param="top_logprobs")
     messages = chat_messages(request)
     kwargs = dict(request.chat_template_kwargs or {})
+    # vLLM's top-level fields for the template; the request's kwargs win, as there
+    for name in ("documents", "reasoning_effort"):
+        if getattr(request, name) is not None:
+            kwargs.setdefault(name, getattr(request, name))
     if "chat_template" in kwargs:
         # a template is code: clients pick variables of the model's template, not a new one
         raise bad_request("chat_template_kwargs may not replace the chat template.", param="chat_template_kwargs")
@@ -157,8 +147,8 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", param="messages")
-    # the template already placed any BOS the model wants
-    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=False)
+    # the template already placed any BOS the model wants (add_special_tokens: another, as vLLM)
+    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=bool(request.add_special_tokens))
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -192,7 +182,8 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any, max_model_len
     for i, item in enumerate(items):
         if isinstance(item, str):
             field = "prompt" if len(items) == 1 else f"prompt.{i}"
-            prompts.append((item, _encode(tokenizer, item, max_model_len, field, add_special_tokens=True)))
+            prompts.append((item, _encode(tokenizer, item, max_model_len, field,
+                                          add_special_tokens=request.add_special_tokens is not False)))
         else:
             prompts.append((None, list(item)))
     return prompts

@@ -14,7 +14,11 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 from pydantic_core import PydanticCustomError
 
 from fd_core.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_BIAS,
     MAX_INT,
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_SEED,
     MAX_STOP,
@@ -52,8 +56,12 @@ def _unicode(value: Any) -> Any:
 # Text from the client: it must be valid Unicode (see _lone_surrogate); JSON, the same for free-form values
 Text = Annotated[str, AfterValidator(_unicode)]
 Json = Annotated[Any, AfterValidator(_unicode)]
+JsonObject = Annotated[dict[str, Json], AfterValidator(_unicode)]  # its keys checked too
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# JSON object keys are strings: a token id in decimal (SamplingParams parses it and bounds it)
+BiasedToken = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+Bias = Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 class ErrorInfo(BaseModel):
@@ -88,7 +96,7 @@ class JsonSchemaFormat(BaseModel):
     model_config = _REQUEST
     name: Text
     description: Text | None = None
-    schema_: dict[str, Json] | None = Field(None, alias="schema")
+    schema_: JsonObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -102,7 +110,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: one of json, regex, choice, grammar, json_object."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    json_: dict[str, Json] | Text | None = Field(None, alias="json", description="a JSON schema")
+    json_: JsonObject | Text | None = Field(None, alias="json", description="a JSON schema")
     regex: Text | None = None
     choice: list[Text] | None = None
     grammar: Text | None = Field(None, description="Lark, or GBNF as llama.cpp writes it")
@@ -144,7 +152,7 @@ class SamplingFields(BaseModel):
     # structured output (fd_server.structured): OpenAI's, vLLM's, and vLLM's older spelling
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Json] | Text | None = None
+    guided_json: JsonObject | Text | None = None
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
@@ -154,8 +162,28 @@ class SamplingFields(BaseModel):
         None, ge=-1, le=MAX_INT,
         description="vLLM's: the logprob of every prompt token after the first and the top k of its position, "
                     "k at most --max-logprobs (-1, the whole vocabulary, is refused)")
-    # OpenAI fields fd cannot honour; they are rejected rather than silently ignored
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[BiasedToken, Bias] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS,
+        description=f"token id (a decimal string) -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}] added to its logit before "
+                    f"sampling; at most {MAX_LOGIT_BIAS} tokens")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORDS)
+    add_special_tokens: bool | None = Field(
+        None, description="add the tokenizer's special tokens (BOS) to the prompt; default: false in chat "
+                          "(the template places them), true in completions")
+    # fields of OpenAI and vLLM that would change the output and that fd does not honour: a
+    # value other than the neutral one is refused by name (fd_server.refused)
+    use_beam_search: Json = None
+    length_penalty: Json = None
+    logits_processors: Json = None
+    truncate_prompt_tokens: Json = None
+    spaces_between_special_tokens: Json = None
+    return_tokens_as_token_ids: Json = None
+    return_token_ids: Json = None
+    priority: Json = None
+    kv_transfer_params: Json = None
+    vllm_xargs: Json = None
+    mm_processor_kwargs: Json = None
 
 
 class PromptLogprob(BaseModel):
@@ -213,11 +241,25 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # --max-logprobs caps it (client.check_params)
-    tools: list[dict[str, Json]] | None = None
-    tool_choice: Text | dict[str, Json] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: Text | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Json] | None = None
+    chat_template_kwargs: JsonObject | None = None
+    documents: list[JsonObject] | None = Field(None, description="passed to the chat template")
+    reasoning_effort: Text | None = Field(None, description="passed to the chat template, as vLLM does")
+    include_reasoning: bool = Field(True, description="false: no reasoning_content (--reasoning-parser)")
+    # see SamplingFields' list (fd_server.refused)
+    functions: Json = None
+    function_call: Json = None
+    audio: Json = None
+    modalities: Json = None
+    web_search_options: Json = None
+    verbosity: Json = None
+    echo: Json = None
+    continue_final_message: Json = None
+    chat_template: Json = None
+    media_io_kwargs: Json = None
 
 
 class TopLogprob(BaseModel):
@@ -315,6 +357,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_INT)  # as vLLM: --max-logprobs, not OpenAI's 5
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    prompt_embeds: Json = None  # refused (fd_server.refused)
 
 
 class CompletionLogprobs(BaseModel):

@@ -5,6 +5,7 @@ may use one of them; an error names the field as the client wrote it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fd_core.engine.structured import StructuredOutputsParams
@@ -12,10 +13,23 @@ from fd_core.errors import InvalidRequestError
 from fd_server.errors import bad_request
 from fd_server.protocol import SamplingFields
 
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structured output and the field it came from, which errors name (the
+    backend refusing it, say)."""
+
+    params: StructuredOutputsParams
+    field: str
+
+    def after(self, text: str) -> Constraint:
+        """The same grammar, holding once the output has written ``text``."""
+        return Constraint(replace(self.params, starts_after=text), self.field)
+
+
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs(request: SamplingFields) -> Constraint | None:
     """What ``request`` constrains its output to; None: free text."""
     sources: list[tuple[str, dict[str, Any], dict[str, str]]] = []  # (field, kwargs, where each kwarg came from)
     fmt = getattr(request, "response_format", None)
@@ -52,7 +66,7 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         raise bad_request(f"{names} each constrain the output; give one.", param=sources[1][0].split(",")[0])
     field, kwargs, where = sources[0]
     try:
-        return StructuredOutputsParams(**kwargs)
+        return Constraint(StructuredOutputsParams(**kwargs), field.split(",")[0])
     except InvalidRequestError as exc:
         kind = (exc.param or "").removeprefix("structured_outputs.")
         param = where.get(kind, field.split(",")[0])

@@ -21,7 +21,8 @@ from fd_core.engine.structured import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError
 from fd_server.errors import bad_request
 from fd_server.parsers import ReasoningParser, ToolParser, reasoning_parser, tool_parser
-from fd_server.parsers.tools import Found, Scan, _call_in_object, _value_end
+from fd_server.parsers.tools import Found, Scan, call_in_object, value_end
+from fd_server.structured import Constraint
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI's, with vLLM's dots and colons
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -56,7 +57,7 @@ class ToolPlan:
     mode: str  # "none" | "auto" | "required" | "named"
     tools: list[dict[str, Any]]  # for the chat template
     parser: ToolParser | None = None  # reads the output into calls (None: text)
-    constraint: StructuredOutputsParams | None = None  # required and named
+    constraint: Constraint | None = None  # required and named
 
     @property
     def active(self) -> bool:
@@ -69,8 +70,8 @@ def _required_scan(text: str, final: bool) -> Scan:
     calls: list[Found] = []
     at = text.find("{", start + 1) if start >= 0 else -1
     while at >= 0:
-        end = _value_end(text, at)
-        call = _call_in_object(text[at:] if end < 0 else text[at:end], ("parameters",))
+        end = value_end(text, at)
+        call = call_in_object(text[at:] if end < 0 else text[at:end], ("parameters",))
         call.complete, call.whole = end >= 0, text[at:] if end < 0 else text[at:end]
         calls.append(call)
         if end < 0:
@@ -157,8 +158,8 @@ def plan(request: Any, parsing: ChatParsing, constrained: bool) -> ToolPlan | No
     return result
 
 
-def _constraint(json_schema: dict[str, Any], param: str) -> StructuredOutputsParams:
+def _constraint(json_schema: dict[str, Any], param: str) -> Constraint:
     try:
-        return StructuredOutputsParams(json=json_schema)
+        return Constraint(StructuredOutputsParams(json=json_schema), "tool_choice")
     except InvalidRequestError as exc:
         raise bad_request(str(exc).replace("structured_outputs.json", param), param=param) from exc

@@ -169,6 +169,52 @@ def test_sample_matches_spec_with_penalties_suppression_and_logprobs(seed):
     check(logits_like_a_model(rng, rows, vocab), batch)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_sample_matches_spec_with_logit_bias(seed):
+    """OpenAI's logit_bias (API 1.11), added before the penalties: a greedy row flipped to its
+    fourth best token, one whose argmax is banned with -100, a filtered and penalised row biased
+    either way, +100 on a suppressed token and on one the grammar's bitmask leaves out (neither
+    drawn), and rows without a bias beside them; the caller's logits stay as they were."""
+    from fd_core.interfaces.ops import pack_token_bitmask
+
+    rng = np.random.default_rng(100 + seed)
+    rows, vocab = 6, int(rng.choice([300, 2048, 5003]))
+    logits = logits_like_a_model(rng, rows, vocab)
+    order = np.argsort(-logits, axis=1, kind="stable")
+    fourth = order[1, 3]
+    bias = [
+        ([], []),
+        ([fourth], [logits[1, order[1, 0]] - logits[1, fourth] + 0.5]),
+        ([order[2, 0]], [-100.0]),
+        (rng.choice(vocab, 40, replace=False), rng.uniform(-6, 6, 40)),
+        ([order[4, 0], order[4, 1]], [100.0, 100.0]),
+        ([], []),
+    ]
+    allowed = np.ones((rows, vocab), dtype=bool)
+    allowed[4, order[4, 1]] = False
+    batch = mixed_batch(
+        rng,
+        rows,
+        vocab,
+        ["greedy", "greedy", "greedy", "top_k_top_p", "temperature", "min_p"],
+        repetition_penalty=[1.0, 1.0, 1.0, 1.3, 1.0, 1.2],
+        presence_penalty=[0.0, 0.0, 0.0, 0.5, 0.0, 0.0],
+        output_token_ids=[[], [], [], list(rng.integers(0, vocab, 10)), [], list(order[5, :4])],
+        suppress_token_ids=[[], [], [], [], [order[4, 0]], []],
+        logit_bias=bias,
+        num_logprobs=2,
+    )
+    batch.allowed_token_bitmask = pack_token_bitmask(allowed)
+    actual = check(logits, batch)
+    assert actual.token_ids[1] == fourth and actual.token_ids[2] == order[2, 1]
+    assert actual.token_ids[4] not in order[4, :2]
+    device_logits = torch.from_numpy(logits).to(DEVICE)
+    before = device_logits.clone()
+    pending = ops.sample_async(device_logits, batch)
+    np.testing.assert_array_equal(pending.result().token_ids, actual.token_ids)
+    assert torch.equal(device_logits, before)
+
+
 def test_sample_draws_follow_the_distribution():
     """Over many seeds the kernel's draws are the spec's, token for token, and the spec's follow
     the probabilities (``tests/test_op_spec.py`` checks that part at length)."""

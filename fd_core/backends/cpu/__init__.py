@@ -14,7 +14,7 @@ from fd_core.plugins import hookimpl
 from fd_core.plugins.registry import runtime_installed
 from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
-FD_API_VERSION = "1.10"  # the reference sample applies grammar bitmasks (1.10), moe's expert_offset (1.7), quantized KV caches (1.6), pack_linear (1.5)
+FD_API_VERSION = "1.11"  # the reference sample adds logit biases (1.11) and applies grammar bitmasks (1.10), moe's expert_offset (1.7), quantized KV caches (1.6), pack_linear (1.5)
 
 
 class CpuPlatform:

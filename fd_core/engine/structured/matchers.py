@@ -78,17 +78,21 @@ class GrammarMatchers:
         return template.deep_copy()
 
     def fill(self, seqs: Sequence[Any], batch: SamplingBatch) -> None:
-        """Set ``batch.allowed_token_bitmask`` for the rows of ``seqs`` that have a matcher
-        (``seq.grammar``); rows without one allow every token. No constrained row: no mask."""
-        rows = [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        """Narrow ``batch.allowed_token_bitmask`` to the grammar of each row of ``seqs`` that has
+        a matcher (``seq.grammar``) not waiting to start (``seq.grammar_after``). A mask already there (``allowed_token_ids``) is kept and
+        intersected; with neither, there is no mask."""
+        rows = [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar_after]
         if not rows:
-            batch.allowed_token_bitmask = None
             return
         start = time.perf_counter()
-        mask = np.full((len(seqs), self.words), -1, dtype=np.int32)
+        base = batch.allowed_token_bitmask
+        mask = np.full((len(seqs), self.words), -1, dtype=np.int32) if base is None else base
+        scratch = np.empty(self.words, dtype=np.int32)
         for matcher, row in rows:
-            view = mask[row]
+            view = mask[row] if base is None else scratch
             matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+            if base is not None:
+                mask[row] &= scratch
         batch.allowed_token_bitmask = mask
         self.fill_seconds += time.perf_counter() - start
         self.fills += 1

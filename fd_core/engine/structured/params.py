@@ -24,7 +24,9 @@ class StructuredOutputsParams:
     llama.cpp writes it) and ``json_object`` (any JSON object). ``disable_any_whitespace``:
     JSON without optional whitespace (a small model given free whitespace may spend its tokens
     on it). ``disable_additional_properties``: objects whose schema does not say otherwise take
-    no properties beyond those listed (OpenAI's ``strict``)."""
+    no properties beyond those listed (OpenAI's ``strict``). ``starts_after``: the grammar holds
+    only once the output has written this text's tokens (a reasoning model's end-of-thought tag:
+    the thought is free, the answer constrained); None: from the first token."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
@@ -33,6 +35,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    starts_after: str | None = None
     # the llguidance grammar the engine compiles (computed, not sent)
     spec: str = field(init=False, repr=False, compare=False, default="")
 
@@ -46,6 +49,8 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", param=f"structured_outputs.{name}")
+        if self.starts_after is not None and (not isinstance(self.starts_after, str) or not self.starts_after):
+            raise InvalidRequestError("starts_after must be a non-empty string", param="structured_outputs.starts_after")
         self.spec = _grammar(kind, _canonical(kind, getattr(self, kind)), self.disable_any_whitespace,
                              self.disable_additional_properties)
 

@@ -397,6 +397,18 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x - freq * count - presence * (count > 0).astype(_F32)
 
 
+def _bias(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """``x`` with each row's ``logit_bias`` added; a new tensor (x may be the caller's logits)."""
+    num_rows, vocab = x.shape
+    index, values = host_plan.biases(batch, vocab)
+    if not len(index):
+        return x
+    flat = x.reshape([-1])
+    where = _upload(index, x.place)
+    out = paddle.scatter(flat, where, paddle.gather(flat, where) + _upload(values, x.place))
+    return out.reshape([num_rows, vocab])
+
+
 def _suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     num_rows, vocab = x.shape
     index = host_plan.suppressed(batch, vocab)
@@ -514,7 +526,9 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     num_rows, vocab = raw.shape
     greedy = batch.temperature == 0
 
-    x = apply_penalties(raw, batch) if batch.needs_penalties else raw
+    x = _bias(raw, batch) if batch.logit_bias is not None else raw
+    if batch.needs_penalties:
+        x = apply_penalties(x, batch)
     if any(len(t) for t in batch.suppress_token_ids):
         x = _suppress(x, batch)
     if batch.allowed_token_bitmask is not None:

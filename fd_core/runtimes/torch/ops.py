@@ -456,6 +456,19 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return x - freq * count - presence * (count > 0).to(_F32)
 
 
+def bias(x: Tensor, batch: SamplingBatch) -> Tensor:
+    """``x`` with each row's ``logit_bias`` added; a new tensor (x may be the caller's logits).
+    Only the biased entries travel and change: a row's ids are distinct, so a gather, an add and
+    a scatter give exactly ``x[i, ids] + values``."""
+    num_rows, vocab = x.shape
+    index, values = host_plan.biases(batch, vocab)
+    if not len(index):
+        return x
+    flat = x.reshape(-1)
+    where = upload(index, x.device)
+    return flat.index_put((where,), flat[where] + upload(values, x.device)).reshape(num_rows, vocab)
+
+
 def suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     """``x`` with the suppressed ids at -inf; a new tensor (x may be the caller's logits)."""
     num_rows, vocab = x.shape
@@ -575,7 +588,9 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     device = raw.device
     greedy = batch.temperature == 0
 
-    x = apply_penalties(raw, batch) if batch.needs_penalties else raw
+    x = bias(raw, batch) if batch.logit_bias is not None else raw
+    if batch.needs_penalties:
+        x = apply_penalties(x, batch)
     if any(len(t) for t in batch.suppress_token_ids):
         x = suppress(x, batch)
     if batch.allowed_token_bitmask is not None:

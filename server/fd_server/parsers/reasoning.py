@@ -85,6 +85,7 @@ def ernie_x1(text: str, final: bool, thinking: bool = True) -> tuple[str, str]:
 class ReasoningParser:
     name: str
     split: Split
+    end: str = END_THINK  # what ends the thought: structured output of the answer starts after it
 
     def parse(self, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
         """``(reasoning_content, content)`` of a whole output; None where empty."""

@@ -61,7 +61,7 @@ class ToolCall:
 _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 
 
-def _value_end(text: str, start: int) -> int:
+def value_end(text: str, start: int) -> int:
     """The index just past the JSON object or array starting at ``text[start]``; -1 if it is
     not closed yet."""
     depth, in_string, escaped = 0, False, False
@@ -85,7 +85,7 @@ def _value_end(text: str, start: int) -> int:
     return -1
 
 
-def _call_in_object(body: str, keys: tuple[str, ...]) -> Found:
+def call_in_object(body: str, keys: tuple[str, ...]) -> Found:
     """A call written as ``{"name": ..., "<key>": {...}}`` (``body`` may be cut short): the
     name once its string is closed, the arguments object's text as far as it goes."""
     match = _NAME.search(body)
@@ -96,7 +96,7 @@ def _call_in_object(body: str, keys: tuple[str, ...]) -> Found:
         if found:
             start = found.end()
             if start < len(body) and body[start] in "{[":
-                end = _value_end(body, start)
+                end = value_end(body, start)
                 arguments = body[start:] if end < 0 else body[start:end]
             break
     return Found(name, arguments, False)
@@ -130,7 +130,7 @@ def hermes(text: str, final: bool) -> Scan:
         start = at + len(OPEN)
         end = text.find(CLOSE, start)
         body = text[start:] if end < 0 else text[start:end]
-        call = _call_in_object(body, ("arguments", "parameters"))
+        call = call_in_object(body, ("arguments", "parameters"))
         if not call.arguments and end >= 0:
             call.arguments = "{}"  # a call without arguments
         call.complete, call.whole = end >= 0, body
@@ -153,8 +153,8 @@ def llama3_json(text: str, final: bool) -> Scan:
         return Scan(0 if maybe else len(text), [])
     calls, at = [], 0
     while at < len(head) and head[at] == "{":
-        end = _value_end(head, at)
-        call = _call_in_object(head[at:] if end < 0 else head[at:end], ("parameters", "arguments"))
+        end = value_end(head, at)
+        call = call_in_object(head[at:] if end < 0 else head[at:end], ("parameters", "arguments"))
         call.complete, call.whole = end >= 0, head[at:] if end < 0 else head[at:end]
         if call.complete and not call.arguments:
             call.arguments = "{}"

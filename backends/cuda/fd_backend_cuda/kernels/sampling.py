@@ -1,8 +1,8 @@
 """Sampling: the ``sample`` op in one Triton program per row, with no sort.
 
-A greedy row (temperature 0) takes the argmax of its (penalised, suppressed) logits ``x``, ties
-to the lowest id. Any other row follows ``fd_core.testing.spec.sample`` step for step, each step
-a blocked loop over the row:
+A greedy row (temperature 0) takes the argmax of its (biased, penalised, suppressed, masked)
+logits ``x``, ties to the lowest id. Any other row follows ``fd_core.testing.spec.sample`` step
+for step, each step a blocked loop over the row:
 
 1. ``m = max(x)``; ``z = (x - m) / T`` is recomputed, rounded as the spec rounds it, wherever
    it is needed.
@@ -505,13 +505,13 @@ def draw(
     cap: int = CAP,
     block: int | None = None,
 ) -> torch.Tensor:
-    """One launch for a step's rows: float32 logits ``x [S, V]`` after penalties and suppression
-    (``raw`` before them: the same tensor where the batch has neither), per-row host parameters
-    (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch, from which the kernel
-    derives each row's noise keys). Returns int64 ``[S, 4]`` on the device: token id, rank, and the
-    float32 bit patterns of the token's raw logprob and of the row's raw logsumexp. ``cap``:
-    candidates a search gathers into scratch (a power of two; small values exercise the
-    gathering in tests)."""
+    """One launch for a step's rows: float32 logits ``x [S, V]`` after the bias, penalties,
+    suppression and bitmask (``raw`` before them: the same tensor where the batch has none),
+    per-row host parameters (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch,
+    from which the kernel derives each row's noise keys). Returns int64 ``[S, 4]`` on the device:
+    token id, rank, and the float32 bit patterns of the token's raw logprob and of the row's raw
+    logsumexp. ``cap``: candidates a search gathers into scratch (a power of two; small values
+    exercise the gathering in tests)."""
     rows, vocab = x.shape
     out = torch.empty(rows, 4, dtype=torch.int64, device=x.device)
     if rows == 0:
@@ -584,15 +584,18 @@ def sample(
 def sample_async(
     logits: torch.Tensor, batch: SamplingBatch, cap: int = CAP, block: int | None = None
 ) -> DeviceSample:
-    """The ``sample_async`` op: penalties and suppression (the torch reference's, only where the
-    batch has them), then ``_sample_kernel`` (token, raw logprob, rank), and the top logprobs
-    with torch ops when asked; one device-to-host copy, not waited for."""
+    """The ``sample_async`` op: logit bias, penalties, suppression and the grammar's bitmask (the
+    torch reference's, only where the batch has them), then ``_sample_kernel`` (token, raw
+    logprob, rank), and the top logprobs with torch ops when asked; one device-to-host copy, not
+    waited for."""
     check_float("sample: logits", logits)
     raw = logits.float()
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     rows, vocab = raw.shape
-    x = torch_ops.apply_penalties(raw, batch) if batch.needs_penalties else raw
+    x = torch_ops.bias(raw, batch) if batch.logit_bias is not None else raw
+    if batch.needs_penalties:
+        x = torch_ops.apply_penalties(x, batch)
     if any(len(t) for t in batch.suppress_token_ids):
         x = torch_ops.suppress(x, batch)
     if batch.allowed_token_bitmask is not None:  # structured output's grammar
