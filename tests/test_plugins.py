@@ -28,6 +28,9 @@ def site(tmp_path, monkeypatch):
     fake_dists.install(site, "fd-backend-toy", "fd_backend_toy", fake_dists.EXTRA_OP, "toy")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.delenv("FD_BACKENDS", raising=False)
+    # a test that rediscovers (get_registry(refresh=True)) while these packages are on the path
+    # would leave the process-wide registry holding them; the one from before comes back
+    monkeypatch.setattr("fd_core.plugins.registry._registry", None)
     yield site
     for mod in ("fd_backend_broken", "fd_backend_oldapi", "fd_backend_toy"):
         sys.modules.pop(mod, None)
@@ -93,14 +96,11 @@ def test_cpu_generates_while_broken_backends_are_installed(site, tmp_path):
     from fd_core.plugins import get_registry
     from tests import checkpoints
 
-    registry = get_registry(refresh=True)  # discovery sees the broken packages
-    try:
-        assert {r.name for r in registry.failures()} >= {"broken", "oldapi"}
-        llm = LLM(model=str(checkpoints.make_llama(tmp_path)), device="cpu", num_kv_blocks=16, max_model_len=64)
-        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-    finally:
-        get_registry(refresh=True)
+    registry = get_registry(refresh=True)  # discovery sees the broken packages (`site` restores the old one)
+    assert {r.name for r in registry.failures()} >= {"broken", "oldapi"}
+    llm = LLM(model=str(checkpoints.make_llama(tmp_path)), device="cpu", num_kv_blocks=16, max_model_len=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_allowlist(site, monkeypatch):
