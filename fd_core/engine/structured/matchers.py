@@ -5,12 +5,11 @@ bounded cache: copying one costs microseconds, compiling one about a millisecond
 by every token its sequence samples, and asked each step for the row's allowed-token bitmask,
 while the step's forward runs on a GPU (``ModelRunner``).
 
-The rows are filled one after another on the engine's thread. llguidance's thread pool
-(``LLExecutor``) was measured against that inside the engine on an H100 host (16 cores,
-SmolLM2, 32 JSON rows a step, benchmarks/structured_output.py): 2.5-3.7 ms a step with 4, 8 or
-the default threads against 2.0-2.2 ms one after another; replaying the same rows outside the
-engine the pool wins (0.9 against 2.3 ms), so it is the engine process's other threads (CUDA,
-torch) that it loses to. docs/PERFORMANCE.md, "Structured output".
+The rows are filled one after another on the engine's thread. Measured on an H100 host (16
+cores, SmolLM2, 32 JSON rows a step; docs/PERFORMANCE.md, "Structured output"): llguidance's
+thread pool (``LLExecutor``) does not scale over copies of one template, which share state
+(1.3-1.6 ms a step with 1 to 8 threads against 1.4 ms one after another), and a grammar thread
+that followed each step off the engine's thread cost more in hand-overs than it overlapped.
 """
 
 from __future__ import annotations
