@@ -473,6 +473,28 @@ def test_completion_echo_and_logprobs(http):
     assert lp["text_offset"] == [0, 1, 2]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(http):
+    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt reach the engine (after
+    the chat template), the echo and usage are theirs; -1 keeps the last max_model_len, so a
+    text far past the context is taken instead of refused."""
+    r = complete(http, prompt="hello world", truncate_prompt_tokens=5, echo=True, max_tokens=1)
+    assert r.status_code == 200, r.text
+    assert http.fake.requests[-1][1] == [3 + ord(c) for c in "world"]
+    assert r.json()["choices"][0]["text"] == "worlda" and r.json()["usage"]["prompt_tokens"] == 5
+    r = complete(http, prompt=[3 + ord(c) for c in "abc"], truncate_prompt_tokens=10, max_tokens=1)
+    assert http.fake.requests[-1][1] == [3 + ord(c) for c in "abc"]  # shorter than k: as it is
+    assert complete(http, prompt="x" * 500, max_tokens=1).status_code == 400  # too long without it
+    r = complete(http, prompt="x" * 500, truncate_prompt_tokens=60, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert len(http.fake.requests[-1][1]) == 60
+    # -1 keeps the whole context, which leaves no room to generate: the usual 400
+    assert_error(complete(http, prompt="x" * 500, truncate_prompt_tokens=-1, max_tokens=2), 400,
+                 code="context_length_exceeded", param="prompt")
+    r = chat(http, messages=[{"role": "user", "content": "a long question"}], truncate_prompt_tokens=4, max_tokens=1)
+    assert r.status_code == 200, r.text
+    assert http.fake.requests[-1][1] == [3 + ord(c) for c in "ant>"]  # the end of "<assistant>"
+
+
 def test_completion_echo_with_logprobs_starts_with_the_prompt(http):
     """As OpenAI's legacy completions: the prompt's tokens first, the first without a logprob,
     text offsets running on through the completion's."""
@@ -725,7 +747,8 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"use_beam_search": True}, "use_beam_search"),
     ({"length_penalty": 0.5}, "length_penalty"),
     ({"priority": 1}, "priority"),
-    ({"truncate_prompt_tokens": 10}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),  # past max_model_len (64)
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),

@@ -39,6 +39,19 @@ def check_prompt(client: Any, token_ids: list[int], param: str) -> None:
         raise bad_request(str(exc), param=param) from exc
 
 
+def truncated(request: SamplingFields, token_ids: list[int], max_model_len: int) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (vLLM's: -1 keeps the last
+    max_model_len), or the prompt as it is when the field is unset or the prompt shorter."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    if keep == 0 or keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the model's context, {max_model_len} tokens) or "
+                          f"between 1 and {max_model_len}, got {keep}.", param="truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 def prompt_logprobs(request: SamplingFields, echoed: int | None = None) -> int | None:
     """How many top logprobs of each prompt token the engine computes: the request's
     ``prompt_logprobs``, and ``echoed`` (completions' ``echo`` with ``logprobs``, whose answer
@@ -148,7 +161,11 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
     if not isinstance(text, str):
         raise bad_request("The chat template did not produce text.", param="messages")
     # the template already placed any BOS the model wants (add_special_tokens: another, as vLLM)
-    return text, _encode(tokenizer, text, max_model_len, "messages", add_special_tokens=bool(request.add_special_tokens))
+    cut = request.truncate_prompt_tokens is not None
+    ids = _encode(tokenizer, text, None if cut else max_model_len, "messages",
+                  add_special_tokens=bool(request.add_special_tokens))
+    kept = truncated(request, ids, max_model_len)
+    return (text if kept is ids else tokenizer.decode(kept, skip_special_tokens=False)), kept
 
 
 def chat_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -179,13 +196,16 @@ def completion_prompts(request: CompletionRequest, tokenizer: Any, max_model_len
         raise bad_request("prompt must not be empty.", param="prompt")
     check_sequences(len(items), request.n, max_sequences)
     prompts: list[tuple[str | None, list[int]]] = []
+    cut = request.truncate_prompt_tokens is not None
     for i, item in enumerate(items):
         if isinstance(item, str):
             field = "prompt" if len(items) == 1 else f"prompt.{i}"
-            prompts.append((item, _encode(tokenizer, item, max_model_len, field,
-                                          add_special_tokens=request.add_special_tokens is not False)))
+            ids = _encode(tokenizer, item, None if cut else max_model_len, field,
+                          add_special_tokens=request.add_special_tokens is not False)
         else:
-            prompts.append((None, list(item)))
+            item, ids = None, list(item)
+        kept = truncated(request, ids, max_model_len)
+        prompts.append((item if kept is ids else None, kept))  # a cut prompt's text is its tokens'
     return prompts
 
 
@@ -199,7 +219,7 @@ def check_sequences(num_prompts: int, n: int, max_sequences: int | None) -> None
             param="n" if num_prompts == 1 else "prompt")
 
 
-def _encode(tokenizer: Any, text: str, max_model_len: int, field: str, add_special_tokens: bool) -> list[int]:
+def _encode(tokenizer: Any, text: str, max_model_len: int | None, field: str, add_special_tokens: bool) -> list[int]:
     try:
         return encode_prompt(tokenizer, text, max_model_len, field, add_special_tokens=add_special_tokens)
     except PromptTooLongError as exc:

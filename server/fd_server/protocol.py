@@ -168,6 +168,10 @@ class SamplingFields(BaseModel):
                     f"sampling; at most {MAX_LOGIT_BIAS} tokens")
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[StopString] | None = Field(None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=MAX_INT,
+        description="vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len), applied after "
+                    "the chat template and tokenization")
     add_special_tokens: bool | None = Field(
         None, description="add the tokenizer's special tokens (BOS) to the prompt; default: false in chat "
                           "(the template places them), true in completions")
@@ -176,7 +180,6 @@ class SamplingFields(BaseModel):
     use_beam_search: Json = None
     length_penalty: Json = None
     logits_processors: Json = None
-    truncate_prompt_tokens: Json = None
     spaces_between_special_tokens: Json = None
     return_tokens_as_token_ids: Json = None
     return_token_ids: Json = None

@@ -28,7 +28,6 @@ SHARED: dict[str, Rule] = {
     "use_beam_search": (_off((False,)), f"beam search {_NOT_SUPPORTED}"),
     "length_penalty": (_off((1, 1.0)), f"length_penalty applies to beam search, which {_NOT_SUPPORTED}"),
     "logits_processors": (_empty, f"logits_processors {_NOT_SUPPORTED}"),
-    "truncate_prompt_tokens": (_off(()), f"truncate_prompt_tokens {_NOT_SUPPORTED}: shorten the prompt"),
     "spaces_between_special_tokens": (_off((True,)), f"spaces_between_special_tokens=false {_NOT_SUPPORTED}"),
     "return_tokens_as_token_ids": (_off((False,)), f"return_tokens_as_token_ids {_NOT_SUPPORTED}"),
     "return_token_ids": (_off((False,)), f"return_token_ids {_NOT_SUPPORTED}"),
