@@ -778,6 +778,7 @@ def test_chat_semantic_errors_are_400(http, body, param):
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"echo": True, "logprobs": 21}, "logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
+    ({"media_io_kwargs": {"video": {"num_frames": 8}}}, "media_io_kwargs"),
     ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
     ({"logit_bias": {"x1": 1.0}}, "logit_bias.x1"),
     ({"logit_bias": {"9999": -1.0}}, "logit_bias"),
@@ -785,6 +786,17 @@ def test_chat_semantic_errors_are_400(http, body, param):
 def test_completion_errors_are_400(http, body, param):
     assert_error(complete(http, **body), 400, param=param)
     assert not http.fake.requests  # a bad prompt anywhere rejects the whole request
+
+
+def test_every_refused_field_is_declared_where_it_is_checked():
+    """``refused.check`` sees only declared fields (the schema drops unknown ones), so a rule
+    whose field a request model does not declare would let that field through silently."""
+    from fd_server import refused
+    from fd_server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for model, own in ((ChatCompletionRequest, refused.CHAT), (CompletionRequest, refused.COMPLETIONS)):
+        missing = [name for name in (*refused.SHARED, *own) if name not in model.model_fields]
+        assert not missing, f"{model.__name__} does not declare {missing}"
 
 
 def test_logit_bias_reaches_the_engine_with_token_ids_as_keys(http):

@@ -334,6 +334,7 @@ class EngineCore:
             row[0, params.allowed_token_ids] = True
             allowed = pack_token_bitmask(row)[0]
         words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else ()
+        history = params.penalised or needs_history(words)
         after = ()
         if grammar is not None and params.structured_outputs.starts_after:
             after = tuple(self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False))
@@ -349,7 +350,7 @@ class EngineCore:
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
                 max_tokens=max_tokens, cache_salt=cache_salt, queued_at=now,
                 grammar=None if grammar is None else grammar.deep_copy() if i else grammar,
-                allowed_tokens=allowed, bad_words=words, grammar_after=after,
+                allowed_tokens=allowed, bad_words=words, grammar_after=after, reads_history=history,
             )
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
@@ -468,7 +469,7 @@ class EngineCore:
             slots.append(len(seq.output_token_ids))
             if not seq.finished:  # one that ended on the token just read gets none
                 seq.output_token_ids.append(PLACEHOLDER)
-        read_first = bool(parents) or any(s.params.penalised or needs_history(s.bad_words) for s in launched.sampled)
+        read_first = bool(parents) or any(s.reads_history for s in launched.sampled)
         self._in_flight = _InFlight(launched, slots, read_first)
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)

@@ -62,6 +62,9 @@ class Sequence:
     # its request's allowed_token_ids as one row of a token bitmask (int32), shared by its n outputs
     allowed_tokens: Any = None
     bad_words: tuple[tuple[int, ...], ...] = ()  # token ids (fd_core.engine.bad_words)
+    # its next step's sampling reads its output so far on the host (penalties, a bad word of
+    # several tokens), so its step is read before the next is scheduled (asynchronous scheduling)
+    reads_history: bool = False
     # prompt_logprobs: prompt tokens scored so far, the first (which has none) counted; None when
     # not asked (and for a request's forks: the first sequence scores the prompt for all)
     prompt_scored: int | None = None

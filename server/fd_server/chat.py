@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 
 from fd_core.engine.detokenizer import stop_holdback
-from fd_core.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from fd_core.engine.outputs import CompletionOutput, Logprob
 from fd_server import params as P
 from fd_server import refused
 from fd_server.parsers import ReasoningParser
@@ -87,12 +87,7 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
     completion = sum(len(o.token_ids) for o in output.outputs)
     return ChatCompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices,
                                   usage=_usage(len(prompt_ids), completion, output.num_cached_tokens),
-                                  prompt_logprobs=_scores(body, output))
-
-
-def _scores(body: ChatCompletionRequest, output: RequestOutput) -> PromptLogprobs | None:
-    """The response's prompt_logprobs (vLLM puts the chat endpoint's beside the choices)."""
-    return prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
+                                  prompt_logprobs=prompt_logprobs(body, output))
 
 
 def _thinking(body: ChatCompletionRequest) -> bool:
@@ -217,7 +212,7 @@ async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch,
             if output.prompt_logprobs is None and not output.finished:
                 continue
             waiting = False
-            for event in roles(_scores(body, output)):
+            for event in roles(prompt_logprobs(body, output)):
                 yield event
         for _, output in changes:
             for o in output.outputs:

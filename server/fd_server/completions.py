@@ -71,7 +71,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
     outputs = await batch.final(request)
     choices = []
     for p, output in enumerate(outputs):
-        scores = prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
+        scores = prompt_logprobs(body, output)
         for o in output.outputs:
             if body.echo and body.logprobs is not None:
                 logprobs = _logprobs(output.prompt_token_ids + o.token_ids, _prompt_steps(output) + o.logprobs,
@@ -172,7 +172,7 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
                     if echo_logprobs:
                         lps = _logprobs(output.prompt_token_ids, _prompt_steps(output), body.logprobs, ctx.tokenizer, 0)
                         offsets[i] = sum(len(t) for t in lps.tokens)
-                    scores = prompt_logprobs(output.prompt_logprobs) if body.prompt_logprobs is not None else None
+                    scores = prompt_logprobs(body, output)
                     yield chunk([CompletionChoice(index=i, text=echoes[p] if echo_logprobs else "", logprobs=lps,
                                                   prompt_logprobs=scores)])
                 limit = len(o.text) if done else len(o.text) - stop_holdback(o.text, stops)

@@ -187,6 +187,7 @@ class SamplingFields(BaseModel):
     kv_transfer_params: Json = None
     vllm_xargs: Json = None
     mm_processor_kwargs: Json = None
+    media_io_kwargs: Json = None
 
 
 class PromptLogprob(BaseModel):
@@ -201,13 +202,16 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-def _without_none(handler: Any, value: Any, *keys: str) -> dict[str, Any]:
-    """``value`` serialized, without ``keys`` where they are None (fields only some requests ask for)."""
-    out = handler(value)
-    for key in keys:
-        if out.get(key) is None:
-            out.pop(key, None)
-    return out
+class _PromptLogprobsIfAsked(BaseModel):
+    """A response part with a ``prompt_logprobs`` field, left out of the JSON where None: only
+    requests that ask for them get the key, as from vLLM."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("prompt_logprobs", 0) is None:
+            del out["prompt_logprobs"]
+        return out
 
 
 # -- chat completions ------------------------------------------------------------------------
@@ -262,7 +266,6 @@ class ChatCompletionRequest(SamplingFields):
     echo: Json = None
     continue_final_message: Json = None
     chat_template: Json = None
-    media_io_kwargs: Json = None
 
 
 class TopLogprob(BaseModel):
@@ -303,7 +306,7 @@ class ChatCompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_PromptLogprobsIfAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -311,10 +314,6 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for the chat endpoint's
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return _without_none(handler, self, "prompt_logprobs")
 
 
 class DeltaMessage(BaseModel):
@@ -336,7 +335,7 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_PromptLogprobsIfAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -344,10 +343,6 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # in the first chunk with a token
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return _without_none(handler, self, "prompt_logprobs")
 
 
 # -- completions -----------------------------------------------------------------------------
@@ -370,16 +365,12 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_PromptLogprobsIfAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # streamed: in the choice's first chunk
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return _without_none(handler, self, "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):

@@ -192,10 +192,12 @@ def safe_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
 
 
-def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
-    """``RequestOutput.prompt_logprobs`` as vLLM's responses carry them (impossible tokens at
-    OpenAI's floor, since JSON has no -inf)."""
-    if entries is None:
+def prompt_logprobs(request: Any, output: RequestOutput) -> PromptLogprobs | None:
+    """The response's ``prompt_logprobs`` when ``request`` asked for them (completions' ``echo``
+    with ``logprobs`` has the engine compute them too, for the echo alone), as vLLM's responses
+    carry them (impossible tokens at OpenAI's floor, since JSON has no -inf)."""
+    entries = output.prompt_logprobs
+    if request.prompt_logprobs is None or entries is None:
         return None
     return [None if entry is None else
             {tid: PromptLogprob(logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)

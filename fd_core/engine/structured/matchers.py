@@ -78,8 +78,8 @@ class GrammarMatchers:
 
     def fill(self, seqs: Sequence[Any], batch: SamplingBatch) -> None:
         """Narrow ``batch.allowed_token_bitmask`` to the grammar of each row of ``seqs`` that has
-        a matcher (``seq.grammar``) not waiting to start (``seq.grammar_after``). A mask already there (``allowed_token_ids``) is kept and
-        intersected; with neither, there is no mask."""
+        a matcher (``seq.grammar``) not waiting to start (``seq.grammar_after``). A mask already
+        there (``allowed_token_ids``) is kept and intersected; with neither, there is no mask."""
         rows = [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar_after]
         if not rows:
             return
