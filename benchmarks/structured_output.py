@@ -7,9 +7,13 @@ objects of enums, bounded integers and short strings), so both produce exactly `
 tokens per row and differ only by the grammar: its masks on the host, the bitmask in the
 sample op. The time per output token is ``(t(N tokens) - t(1 token)) / (N - 1)``, the prefill
 taken out, the two alternated and their medians compared; the host's mask time per step is
-reported beside it (on a GPU it overlaps the step's forward).
+reported beside it (on a GPU it overlaps the step's forward). Where the backend defers the
+mask (``deferred_bitmask``: the grammar thread fills it while the device holds the sample),
+``--masks both`` also runs the JSON requests with the masks filled on the engine's thread, as
+a backend without the op does, in the same alternation.
 
     python benchmarks/structured_output.py [--model M] [--device cpu|cuda] [--batch 1 32] [--tokens 64]
+                                           [--masks both]
 
 Figures: docs/PERFORMANCE.md, "Structured output".
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 from fd_core import LLM, SamplingParams
@@ -75,7 +80,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--masks", choices=["engine", "both"], default="engine",
+                    help="both: JSON also with the masks on the engine's thread, where the engine defers them")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="the interpreter's thread switch interval in seconds (sys.setswitchinterval)")
+    ap.add_argument("--grammar-threads", type=int, default=None,
+                    help="threads of llguidance's pool that fill a step's masks (the engine uses 1)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     print("compile (StructuredOutputsParams: the schema checked and translated, in the HTTP process):")
     StructuredOutputsParams(regex="warm-up")  # llguidance's import and first call, not a schema's cost
@@ -91,25 +104,39 @@ def main() -> None:
     core = llm.engine.core
     warm = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=s)) for s in COMPILE.values()]
     llm.chat([[{"role": "user", "content": "hi"}]] * len(warm), warm, use_tqdm=False)  # the engine's templates
-    grammars = core.grammars
+    grammars, worker = core.grammars, core._masks
+    if args.grammar_threads is not None:
+        from llguidance import LLExecutor
+
+        grammars._executor = LLExecutor(num_threads=args.grammar_threads)
+    where = "deferred to the grammar thread" if worker else "on the engine's thread"
     print(f"engine: {args.model} on {core.platform.name} ({core.platform.runtime}), async scheduling "
-          f"{'on' if core.async_scheduling else 'off'}; llguidance tokenizer and {len(COMPILE)} templates "
+          f"{'on' if core.async_scheduling else 'off'}, masks {where}; llguidance tokenizer and {len(COMPILE)} templates "
           f"compiled in {grammars.compile_seconds * 1e3:.1f} ms (the templates), then copied per request")
-    print(f"{'batch':>5} {'free ms/token':>14} {'json ms/token':>14} {'overhead':>9} {'mask ms/step':>13} "
-          f"{'rows at N':>9}")
+    variants = [("json", worker)]
+    if args.masks == "both" and worker is not None:
+        variants = [("json, deferred", worker), ("json, inline", None)]
+    print(f"{'batch':>5} {'variant':>15} {'ms/token':>9} {'overhead':>9} {'mask ms/step':>13} {'rows at N':>9}")
     for batch in args.batch:
         per_token(llm, batch, 8, False, 1)  # warm-up at this batch size
-        # alternated, so that a slower spell of a shared machine falls on both
-        frees, constraineds, masks = [], [], []
+        # alternated, so that a slower spell of a shared machine falls on all
+        frees, constraineds, masks = [], {v: [] for v, _ in variants}, {v: [] for v, _ in variants}
+        full = {}
         for _ in range(args.repeats):
             frees.append(per_token(llm, batch, args.tokens, False, 1)[0])
-            fills, seconds = grammars.fills, grammars.fill_seconds
-            t, full = per_token(llm, batch, args.tokens, True, 1)
-            constraineds.append(t)
-            masks.append((grammars.fill_seconds - seconds) / max(1, grammars.fills - fills))
-        free, constrained, mask = map(statistics.median, (frees, constraineds, masks))
-        print(f"{batch:>5} {free * 1e3:>14.2f} {constrained * 1e3:>14.2f} {(constrained / free - 1) * 100:>8.1f}% "
-              f"{mask * 1e3:>13.3f} {full:>5}/{batch}")
+            for name, masks_by in variants:
+                core._masks = masks_by  # between requests: nothing in flight
+                fills, seconds = grammars.fills, grammars.fill_seconds
+                t, full[name] = per_token(llm, batch, args.tokens, True, 1)
+                constraineds[name].append(t)
+                masks[name].append((grammars.fill_seconds - seconds) / max(1, grammars.fills - fills))
+            core._masks = worker
+        free = statistics.median(frees)
+        print(f"{batch:>5} {'free':>15} {free * 1e3:>9.2f}")
+        for name, _ in variants:
+            t, mask = statistics.median(constraineds[name]), statistics.median(masks[name])
+            print(f"{batch:>5} {name:>15} {t * 1e3:>9.2f} {(t / free - 1) * 100:>8.1f}% {mask * 1e3:>13.3f} "
+                  f"{full[name]:>5}/{batch}")
 
 
 if __name__ == "__main__":

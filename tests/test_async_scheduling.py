@@ -17,6 +17,7 @@ from fd_core.engine.model_runner import PLACEHOLDER  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
 from fd_core.plugins import registry as registry_module  # noqa: E402
 from fd_core.plugins.registry import BackendRegistry  # noqa: E402
+from fd_core.testing import spec  # noqa: E402
 from tests import checkpoints  # noqa: E402
 
 
@@ -54,6 +55,48 @@ def async_cpu(monkeypatch):
     monkeypatch.setattr(registry_module, "_registry", registry)
     HostFed.fed = 0
     return registry
+
+
+class HostGate(spec.HostBitmask):
+    """The specification's ``DeferredBitmask``, counting how many the engine made."""
+
+    made = 0
+
+    def __init__(self, rows: int, words: int) -> None:
+        super().__init__(rows, words)
+        HostGate.made += 1
+
+
+class LateSample(HostFed):
+    """``sample_async`` as a device runs it: the sample is drawn when its tokens are first asked
+    for, after its deferred bitmask's ``ready()`` (the specification's ``SampledLate``)."""
+
+    def __init__(self, sample, logits, batch) -> None:
+        self.late = spec.SampledLate(logits, batch, sample)
+
+    @property
+    def output(self):
+        return self.late.output
+
+    def result(self):
+        return self.late.output
+
+
+@pytest.fixture()
+def deferred_cpu(async_cpu, monkeypatch):
+    """``async_cpu`` with the ``deferred_bitmask`` op, its sample run late (``LateSample``); every
+    step with a constrained row defers its masks (``DEFER_ROWS``)."""
+    from fd_core.engine import core
+
+    monkeypatch.setattr(core, "DEFER_ROWS", 1)
+    from fd_core.runtimes.paddle.ops import REFERENCE_OPS
+
+    sample = REFERENCE_OPS["sample"]
+    async_cpu.ops.register("sample_async", "cpu", lambda logits, batch: LateSample(sample, logits, batch),
+                           name="late", runtime="paddle", priority=1)
+    async_cpu.ops.register("deferred_bitmask", "cpu", HostGate, name="host-gate", runtime="paddle")
+    HostGate.made = 0
+    return async_cpu
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from fd_core.errors import InvalidRequestError  # noqa: E402
 from fd_core.plugins import registry as registry_module  # noqa: E402
 from fd_core.plugins.registry import BackendRegistry  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.test_async_scheduling import HostFed, async_cpu  # noqa: E402, F401 - the fixture
+from tests.test_async_scheduling import HostFed, HostGate, async_cpu, deferred_cpu  # noqa: E402, F401 - fixtures
 
 REGEX = r"[ab]{2,5}c\d"
 CHOICES = ["alpha", "beta gamma", "δ"]
@@ -129,18 +129,73 @@ def test_constrained_and_free_rows_share_a_batch(model_dir):
     assert outs[1].outputs[0].text in CHOICES
 
 
+@pytest.mark.parametrize("backend", ["async_cpu", "deferred_cpu"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=40, structured_outputs=S(json=SCHEMA)),
     SamplingParams(temperature=0.9, seed=7, max_tokens=40, n=2, structured_outputs=S(regex=REGEX)),
-], ids=["greedy-json", "seeded-regex-forks"])
-def test_async_scheduling_gives_the_synchronous_outputs(async_cpu, model_dir, params):  # noqa: F811
+    [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+     SamplingParams(temperature=0.9, seed=3, max_tokens=20, structured_outputs=S(choice=CHOICES)),
+     SamplingParams(temperature=0.9, seed=5, max_tokens=30, allowed_token_ids=list(range(3, 300)),
+                    structured_outputs=S(regex=REGEX))] * 2,
+], ids=["greedy-json", "seeded-regex-forks", "mixed"])
+def test_async_scheduling_gives_the_synchronous_outputs(request, model_dir, params, backend):
     """The mask of step t+1 needs step t's token: the engine reads that step while the next
-    forward runs, and constrained rows come out as the synchronous engine's."""
+    forward runs (async_cpu), or its grammar thread fills the mask while the device holds the
+    sample (deferred_cpu); constrained rows come out as the synchronous engine's."""
+    request.getfixturevalue(backend)
     _, sync = run(model_dir, params, async_scheduling=False)
-    before = HostFed.fed
+    before, made = HostFed.fed, HostGate.made
     llm, overlapped = run(model_dir, params)
-    assert llm.engine.core.async_scheduling and HostFed.fed > before
+    core = llm.engine.core
+    assert core.async_scheduling
+    if backend == "async_cpu":
+        assert HostFed.fed > before and core._masks is None
+    else:
+        assert HostGate.made > made and core._masks is not None
     assert [(o.token_ids, o.finish_reason) for o in overlapped] == [(o.token_ids, o.finish_reason) for o in sync]
+
+
+def test_steps_defer_their_masks_by_their_constrained_rows(deferred_cpu, model_dir, monkeypatch):  # noqa: F811
+    """From ``DEFER_ROWS`` constrained rows a step's masks go to the grammar thread, below it
+    they are filled on the engine's thread; as requests end the engine goes from one to the
+    other and back (new requests), and the outputs stay the synchronous engine's."""
+    from fd_core.engine import core as core_module
+    from fd_core.engine.structured.matchers import GrammarMatchers
+
+    monkeypatch.setattr(core_module, "DEFER_ROWS", 3)
+    inline = []
+    real = GrammarMatchers.fill
+    monkeypatch.setattr(GrammarMatchers, "fill", lambda self, seqs, batch: (
+        inline.append(len(self.constrained(seqs))), real(self, seqs, batch))[1])
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=[6, 12, 30, 18][i % 4],
+                             structured_outputs=S(regex=REGEX) if i % 2 else S(json=SCHEMA)) for i in range(8)]
+    prompts = [f"prompt number {i} says" for i in range(8)]
+    sync = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, max_num_seqs=4,
+               async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    inline.clear()
+    made = HostGate.made
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, max_num_seqs=4)
+    overlapped = llm.generate(prompts, params, use_tqdm=False)
+    assert HostGate.made > made and any(0 < rows < 3 for rows in inline)
+    assert ([[(c.token_ids, c.finish_reason) for c in o.outputs] for o in overlapped]
+            == [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in sync])
+
+
+def test_a_failing_grammar_thread_fails_the_step_without_a_hang(deferred_cpu, model_dir, monkeypatch):  # noqa: F811
+    """The device waits for the mask: a fill that raises still releases it, and the engine's
+    thread raises what went wrong instead of waiting for ever."""
+    from fd_core.engine.structured.matchers import GrammarMatchers
+
+    def broken(self, rows, mask, base):
+        raise ValueError("no mask today")
+
+    monkeypatch.setattr(GrammarMatchers, "fill_rows", broken)
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512)
+    with pytest.raises(RuntimeError, match="grammar thread failed: ValueError"):
+        llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=S(regex=REGEX)), use_tqdm=False)
+    worker = llm.engine.core._masks
+    llm.engine.core.shutdown()
+    assert not worker._thread.is_alive()
 
 
 def _registry_with_sample(source: str, api: str, sample):
@@ -190,6 +245,15 @@ def test_templates_are_cached(model_dir):
     llm.generate(["b", "c"], SamplingParams(temperature=0, max_tokens=10, structured_outputs=S(choice=CHOICES)),
                  use_tqdm=False)
     assert dict(grammars._templates) == first and len(first) == 1
+    # with a pool of three threads, a grammar's first three requests compile a template each
+    # (copies of one template share state the pool serialises on), the others copy them in turn
+    grammars.pool = 3
+    so = S(regex=REGEX)
+    before = grammars.compile_seconds
+    made = [grammars.grammar(so) for _ in range(7)]
+    templates, count = grammars._templates[so.spec]
+    assert len(templates) == 3 and count == [7] and grammars.compile_seconds > before
+    assert all(g.matcher.is_error() is False for g in made)
 
 
 def test_masks_cover_the_padded_vocabulary(model_dir):
@@ -202,8 +266,7 @@ def test_masks_cover_the_padded_vocabulary(model_dir):
     from fd_core.interfaces.ops import unpack_token_bitmask
 
     class Row:
-        grammar = core.grammars.matcher(S(json_object=True))
-        grammar_after = ()
+        grammar = core.grammars.grammar(S(json_object=True))
 
     class Batch:
         allowed_token_bitmask = None
@@ -224,12 +287,13 @@ def _single_token_text(llm, tokens, start):
     pytest.skip("no token that tokenizes back to itself")
 
 
-@pytest.mark.parametrize("scheduling", ["sync", "async"])
-def test_a_grammar_can_wait_for_its_start(async_cpu, model_dir, scheduling):  # noqa: F811
+@pytest.mark.parametrize("scheduling", ["sync", "async", "deferred"])
+def test_a_grammar_can_wait_for_its_start(request, model_dir, scheduling):
     """``starts_after`` (a reasoning model's end of thought): the output is free, and the same
     as without a grammar, up to and including the waking tokens; the grammar holds after."""
+    request.getfixturevalue("deferred_cpu" if scheduling == "deferred" else "async_cpu")
     llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512,
-              async_scheduling=scheduling == "async")
+              async_scheduling=scheduling != "sync")
     free = llm.generate(["prompt number 0 says"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
     at, trigger = _single_token_text(llm, free, 2)

@@ -31,6 +31,7 @@ from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.structured.matchers import GrammarMatchers
+from fd_core.engine.structured.worker import Advance, MaskWorker
 from fd_core.engine.swap import SwapSpace
 from fd_core.errors import (
     ConfigError,
@@ -82,6 +83,13 @@ class CoreOutput:
     prompt_logprobs: PromptLogprobs | None = None
 
 
+# Constrained rows from which a step's masks go to the grammar thread (deferred_bitmask): for
+# fewer, handing the step over between threads costs more than its masks (H100 host, SmolLM2
+# and a 1.2B Llama: at 1 row +8-35% a token deferred against +6-21% on the engine's thread; at 32
+# rows +17-20% against +38-53% for SmolLM2; docs/PERFORMANCE.md, "Structured output")
+DEFER_ROWS = 8
+
+
 @dataclass
 class _InFlight:
     """A step queued on the device whose tokens are not read yet. ``slots[row]``: where that
@@ -91,6 +99,7 @@ class _InFlight:
     launched: Launched
     slots: list[int]
     read_first: bool
+    advance: Advance | None = None  # its rows' grammars, advanced on the grammar thread
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
@@ -255,6 +264,7 @@ class EngineCore:
         self._rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None
         self.grammars: GrammarMatchers | None = None  # made for the first structured-output request
+        self._masks: MaskWorker | None = None  # the grammar thread, where masks are deferred
         self._unavailable: dict[str, str] | None = None  # unavailable(), once asked
         self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
@@ -327,7 +337,12 @@ class EngineCore:
         check_params(params, self.model_config.vocab_size, self.config.max_logprobs, self.unavailable())
         if cache_salt is not None:
             check_cache_salt(cache_salt)
-        grammar = self._structured().matcher(params.structured_outputs) if params.structured_outputs else None
+        grammar = None
+        if params.structured_outputs:
+            after = ()
+            if params.structured_outputs.starts_after:
+                after = tuple(self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False))
+            grammar = self._structured().grammar(params.structured_outputs, after)
         allowed = None
         if params.allowed_token_ids:
             row = np.zeros((1, self.model_config.vocab_size), dtype=bool)
@@ -335,9 +350,6 @@ class EngineCore:
             allowed = pack_token_bitmask(row)[0]
         words = tokenize_bad_words(self.tokenizer, params.bad_words) if params.bad_words else ()
         history = params.penalised or needs_history(words)
-        after = ()
-        if grammar is not None and params.structured_outputs.starts_after:
-            after = tuple(self.tokenizer.encode(params.structured_outputs.starts_after, add_special_tokens=False))
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**62))
@@ -349,8 +361,8 @@ class EngineCore:
                 prompt_token_ids=token_ids, params=params,
                 seed=(base_seed + i * _SEED_MIX) % (2**63), arrival=next(self._arrivals),
                 max_tokens=max_tokens, cache_salt=cache_salt, queued_at=now,
-                grammar=None if grammar is None else grammar.deep_copy() if i else grammar,
-                allowed_tokens=allowed, bad_words=words, grammar_after=after, reads_history=history,
+                grammar=None if grammar is None else grammar.fork() if i else grammar,
+                allowed_tokens=allowed, bad_words=words, reads_history=history,
             )
             seqs.append(seq)
         # the first computes the prompt; the others fork from it (Scheduler.fork)
@@ -391,6 +403,8 @@ class EngineCore:
         start = time.perf_counter()
         self.grammars = GrammarMatchers(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         log.info("structured output: llguidance read the tokenizer in %.2f s", time.perf_counter() - start)
+        if self.async_scheduling and self.executor.can_defer:
+            self._masks = MaskWorker(self.grammars)
         return self.grammars
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -452,15 +466,26 @@ class EngineCore:
             return self._apply(result.sampled, result.output)
         previous = self._in_flight
         fill = None
+        masks = self._masks
+        deferred = False
         if grammars is not None:
             def fill(sampled: list[Sequence], batch) -> None:
+                nonlocal previous, deferred
+                rows = grammars.constrained(sampled)
+                deferred = masks is not None and len(rows) >= DEFER_ROWS
                 # A constrained row's mask needs its sequence's previous token, sampled by the
-                # step in flight: read that step now, while the forward just queued computes.
-                nonlocal previous
-                if previous is not None and any(s.grammar is not None for s in sampled):
+                # step in flight: read that step now, while the forward just queued computes,
+                # unless the grammar thread advances it before it fills this step's masks.
+                if (previous is not None and (not deferred or previous.advance is None)
+                        and any(s.grammar is not None for s in sampled)):
                     outputs.extend(self._read(previous))
                     previous = None
-                grammars.fill(sampled, batch)
+                if deferred:  # the device holds the sample until the grammar thread has filled it
+                    mask = self.executor.deferred_bitmask(len(sampled), grammars.words)
+                    masks.fill(rows, mask, batch.allowed_token_bitmask)
+                    batch.allowed_token_bitmask = mask
+                else:
+                    grammars.fill(sampled, batch)
         launched = self.executor.launch(out.scheduled, self._in_flight.launched if self._in_flight else None, fill,
                                         score)
         self._keep_scores(launched.scored, launched.prompt)  # before the first token they go with
@@ -470,7 +495,10 @@ class EngineCore:
             if not seq.finished:  # one that ended on the token just read gets none
                 seq.output_token_ids.append(PLACEHOLDER)
         read_first = bool(parents) or any(s.reads_history for s in launched.sampled)
-        self._in_flight = _InFlight(launched, slots, read_first)
+        advance = None
+        if deferred and launched.pending is not None:
+            advance = masks.advance([s.grammar for s in launched.sampled], launched.pending)
+        self._in_flight = _InFlight(launched, slots, read_first, advance)
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)
         self._advance(out, parents)
@@ -483,7 +511,11 @@ class EngineCore:
 
     def _read(self, flight: _InFlight) -> list[CoreOutput]:
         pending = flight.launched.pending
-        return self._apply(flight.launched.sampled, pending.result() if pending else None, flight.slots)
+        if pending is None:
+            return []
+        output = pending.result()
+        ended = flight.advance.wait() if flight.advance is not None else None
+        return self._apply(flight.launched.sampled, output, flight.slots, ended)
 
     def _account_step(self, out: SchedulerOutput) -> None:
         """Count the step's prompt tokens, note when a sequence is first scheduled (a sequence
@@ -544,10 +576,12 @@ class EngineCore:
             copies += self.scheduler.fork(s)
         self.executor.copy_blocks(copies)
 
-    def _apply(self, sampled: list[Sequence], o: SampleOutput | None,
-               slots: list[int] | None = None) -> list[CoreOutput]:
+    def _apply(self, sampled: list[Sequence], o: SampleOutput | None, slots: list[int] | None = None,
+               ended: list[str | None] | None = None) -> list[CoreOutput]:
         """Record each row's token. ``slots``: where each row's placeholder sits in its
-        sequence's output (asynchronous scheduling); None: append."""
+        sequence's output (asynchronous scheduling); None: append. ``ended``: per row, why its
+        grammar ends its sequence, where the grammar thread advanced the grammars (None: they
+        are advanced here)."""
         if o is None:
             return []
         outputs = []
@@ -576,16 +610,14 @@ class EngineCore:
                     output.prefill_time = time.monotonic() - seq.scheduled_at
                 if seq.prompt_scored is not None:
                     output.prompt_logprobs = self._prompt_logprobs(seq)
-            ended = None
-            if seq.grammar_after:  # its grammar waits for these tokens; the next token is the first it holds
-                after = seq.grammar_after
-                if tuple(seq.output_token_ids[max(0, count - len(after)):count]) == after:
-                    seq.grammar_after = ()
+            grammar = None
+            if ended is not None:
+                grammar = ended[row]
             elif seq.grammar is not None:
-                ended = self.grammars.advance(seq.grammar, token)
-            if (ended or token in eos or p.stop_token_ids or count >= seq.max_tokens
+                grammar = seq.grammar.advance(token)
+            if (grammar or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
-                self._check_finish(seq, token, output, count, ended)
+                self._check_finish(seq, token, output, count, grammar)
             outputs.append(output)
         self.stats["generation_tokens"] += len(outputs)
         return outputs
@@ -613,7 +645,9 @@ class EngineCore:
                 self.seqs.pop(seq.request_id, None)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the grammar thread and the tensor-parallel workers, if any (idempotent)."""
+        if self._masks is not None:
+            self._masks.close()
         self.executor.close()
 
     def kv_usage(self) -> float:

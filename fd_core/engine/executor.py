@@ -49,7 +49,7 @@ from fd_core.engine.model_runner import (
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
-from fd_core.interfaces import SamplingBatch
+from fd_core.interfaces import DeferredBitmask, SamplingBatch
 from fd_core.logs import configure, effective_level, parse_level, rank_level
 
 log = logging.getLogger("fd.engine")
@@ -259,6 +259,15 @@ class Executor:
         """Whether a step can be queued without waiting for its tokens: one rank, in this
         process, whose op table has ``sample_async``."""
         return self.runner is not None and self.runner.ops.has("sample_async")
+
+    @property
+    def can_defer(self) -> bool:
+        """Whether a launched step's bitmask can be filled after its sample is queued (the op
+        table's ``deferred_bitmask``)."""
+        return self.can_launch and self.runner.ops.has("deferred_bitmask")
+
+    def deferred_bitmask(self, rows: int, words: int) -> DeferredBitmask:
+        return self.runner.ops.deferred_bitmask(rows, words)
 
     def launch(self, scheduled: list[ScheduledSeq], previous: Launched | None, fill: Fill | None = None,
                score: bool = False) -> Launched:

@@ -56,9 +56,7 @@ class Sequence:
     # time.monotonic() in the core when it was queued and first scheduled, for the latency metrics
     queued_at: float = 0.0
     scheduled_at: float | None = None
-    grammar: Any = None  # its llguidance matcher (structured output), advanced on every token
-    # while its grammar waits (StructuredOutputsParams.starts_after): the tokens that wake it
-    grammar_after: tuple[int, ...] = ()
+    grammar: Any = None  # its structured output's Grammar (engine.structured.matchers), advanced on every token
     # its request's allowed_token_ids as one row of a token bitmask (int32), shared by its n outputs
     allowed_tokens: Any = None
     bad_words: tuple[tuple[int, ...], ...] = ()  # token ids (fd_core.engine.bad_words)

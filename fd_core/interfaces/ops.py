@@ -124,7 +124,8 @@ class SamplingBatch:
     constraint has every bit set (``pack_token_bitmask``). Raw logprobs, ranks and top logprobs
     stay those of the unbiased, unmasked model distribution, as with suppression. The engine
     hands neither field to a sample op whose package declares an API older than the one that
-    added it: it refuses those requests instead (``OpTable.lacks``). Randomness is the
+    added it: it refuses those requests instead (``OpTable.lacks``). Given to ``sample_async``,
+    the bitmask may be what the backend's ``deferred_bitmask`` made (API 1.12). Randomness is the
     counter-based noise of ``OP_SPECS["sample"]``, a function of ``(seeds[i], steps[i], token
     id)`` only, so a seeded row gives the same token whatever else is in the batch. Seeds are in
     ``[0, 2**63)``; a step enters by its low 32 bits.
@@ -143,7 +144,8 @@ class SamplingBatch:
     output_token_ids: list[np.ndarray]  # per row, for all three penalties
     suppress_token_ids: list[np.ndarray]  # per row
     num_logprobs: int = 0  # top logprobs to return per row (0: only the sampled token's)
-    allowed_token_bitmask: np.ndarray | None = None  # int32 [S, ceil(V/32)] (API 1.10)
+    # int32 [S, ceil(V/32)] (API 1.10), or a DeferredBitmask for sample_async (API 1.12)
+    allowed_token_bitmask: Any = None
     logit_bias: list[tuple[np.ndarray, np.ndarray]] | None = None  # per row (int64 ids, float32 biases) (API 1.11)
 
     @property
@@ -198,7 +200,20 @@ class PendingSample(Protocol):
         ...
 
     def result(self) -> SampleOutput:
-        """The SampleOutput, once it has reached the host (waits for it)."""
+        """The SampleOutput, once it has reached the host (waits for it). It may be called
+        more than once, and from another thread than the one that queued the sample (API 1.12:
+        the engine's grammar thread reads the tokens too)."""
+        ...
+
+
+class DeferredBitmask(Protocol):
+    """What ``deferred_bitmask`` returns (API 1.12): a step's allowed-token bitmask that the
+    host fills after the step's ``sample_async`` is queued."""
+
+    array: np.ndarray  # int32 [S, W], C-contiguous, written by the host before ready()
+
+    def ready(self) -> None:
+        """``array`` is filled: the device may read it. Called once, from any thread."""
         ...
 
 
@@ -387,6 +402,22 @@ OP_SPECS: dict[str, OpSpec] = {
             ``prompt_logprobs`` (the logits of prompt position ``p`` scoring prompt token
             ``p + 1``), in slices of at most ``max_num_seqs`` rows, after the step's ``sample``;
             without it the engine refuses ``prompt_logprobs``. Every runtime's reference has it.
+            """,
+            optional=True,
+        ),
+        _spec(
+            "deferred_bitmask",
+            "deferred_bitmask(rows: int, words: int) -> DeferredBitmask",
+            """
+            Optional (1.12). A bitmask the host fills after the sample that applies it is queued:
+            given as ``SamplingBatch.allowed_token_bitmask`` to ``sample_async`` (never to
+            ``sample``), which queues the mask's use behind a wait on the device for ``ready()``
+            and returns without waiting for it. The engine then computes a step's grammar masks
+            on a thread of its own while its thread schedules and queues the next step. Work a
+            backend queues behind the wait may hold the queuing thread until ``ready()`` (e.g.
+            CUDA loading a kernel for the first time synchronises the device), so the engine
+            never calls ``ready()`` from the thread that queues. Without it the engine fills the
+            mask before the sample is queued.
             """,
             optional=True,
         ),

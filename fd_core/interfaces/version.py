@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.11.0"
+API_VERSION = "1.12.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -32,6 +32,9 @@ API_VERSION = "1.11.0"
 # 1.11: SamplingBatch.logit_bias: sample and sample_async add each row's per-token biases to its
 #      logits before the penalties (OpenAI's logit_bias); the optional token_logprobs op (the
 #      logprobs of given tokens, for prompt_logprobs)
+# 1.12: the optional deferred_bitmask op: sample_async may take a bitmask the host fills after
+#      the sample is queued (the device waits for DeferredBitmask.ready()); PendingSample.result
+#      may be called more than once, from any thread
 
 
 def _parse(version: str) -> tuple[int, int, int]:

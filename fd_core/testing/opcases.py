@@ -10,6 +10,8 @@ error.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -367,6 +369,45 @@ def _sample(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     _compare_samples(case, impl, got, spec.sample(lh, batch))
 
 
+def _deferred_bitmask(case: OpCase, fn: Callable, dev: Device, impl: str, sample_async: Callable) -> None:
+    """The grammar case through ``sample_async`` with a mask from ``fn`` (``deferred_bitmask``)
+    that is written only after the sample was queued: a wrong mask first, the right one after
+    ``sample_async`` returned, then ``ready()``. The tokens must be the right mask's, and
+    ``sample_async`` must not have waited for ``ready()`` (a watchdog releases the device after
+    ``DEFERRED_PATIENCE`` seconds so that a backend that waits fails instead of hanging)."""
+    rows, vocab = case.params["rows"], case.params["vocab"]
+    rng = _rng(case)
+    logits, lh = dev.put(_randn(rng, rows, vocab, scale=2.0))
+    batch = sampling_batch(case, rng, rows, vocab, lh)
+    right = batch.allowed_token_bitmask
+    # first the plain mask: the kernels load now, not behind the wait (where a device may
+    # hold the queuing thread until ready(): the op's contract)
+    sample_async(logits, batch).result()
+    mask = fn(rows, right.shape[1])
+    if mask.array.shape != right.shape or mask.array.dtype != np.int32:
+        raise OpMismatch(f"{_describe(case, impl)}: the deferred array is {mask.array.dtype} "
+                         f"{list(mask.array.shape)}, not int32 {list(right.shape)}")
+    wrong = np.zeros((rows, vocab), dtype=bool)
+    wrong[np.arange(rows), np.argmin(lh, axis=1)] = True  # each row's least likely token alone
+    mask.array[...] = pack_token_bitmask(wrong)
+    watchdog = threading.Timer(DEFERRED_PATIENCE, mask.ready)
+    watchdog.start()
+    try:
+        pending = sample_async(logits, dataclasses.replace(batch, allowed_token_bitmask=mask))
+        waited = watchdog.finished.is_set()  # it fired: sample_async returned only after ready()
+        mask.array[...] = right
+        mask.ready()
+        got = pending.result()
+    finally:
+        watchdog.cancel()
+    if waited:
+        raise OpMismatch(f"{_describe(case, impl)}: sample_async waited for the deferred bitmask's ready()")
+    _compare_samples(case, impl, got, spec.sample(lh, batch))
+
+
+DEFERRED_PATIENCE = 30.0
+
+
 def _token_logprobs(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     rows, vocab, k = case.params["rows"], case.params["vocab"], case.params["logprobs"]
     rng = _rng(case)
@@ -386,8 +427,15 @@ RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
 }
 
 
-def run_case(case: OpCase, fn: Callable, memory: Memory, impl: str = "") -> None:
-    """Run ``fn`` (an implementation of ``case.op``) on the case; raises OpMismatch."""
+def run_case(case: OpCase, fn: Callable, memory: Memory, impl: str = "",
+             sample_async: Callable | None = None) -> None:
+    """Run ``fn`` (an implementation of ``case.op``) on the case; raises OpMismatch.
+    ``deferred_bitmask`` is run through the backend's ``sample_async``."""
+    if case.op == "deferred_bitmask":
+        if sample_async is None:
+            raise OpMismatch(f"{_describe(case, impl)}: the backend has deferred_bitmask but no sample_async to use it")
+        _deferred_bitmask(case, fn, Device(memory, case.dtype), impl, sample_async)
+        return
     RUNNERS[case.op](case, fn, Device(memory, case.dtype), impl)
 
 
@@ -507,6 +555,8 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                                                 ("logit_bias", 8, 1000, 2)]:
                 add(op, f"{kind} logits[{rows}, {vocab}]" + (f" top {logprobs} logprobs" if logprobs else ""),
                     params=dict(kind=kind, rows=rows, vocab=vocab, logprobs=logprobs))
+        add("deferred_bitmask", "grammar logits[8, 1003] top 3 logprobs, mask written after sample_async",
+            params=dict(kind="grammar", rows=8, vocab=1003, logprobs=3))
         for rows, vocab, logprobs in [(1, 1000, 0), (37, 1000, 5), (6, 1003, 20)]:
             add("token_logprobs", f"logits[{rows}, {vocab}] top {logprobs} logprobs, tied rows",
                 params={"rows": rows, "vocab": vocab, "logprobs": logprobs})

@@ -8,6 +8,10 @@ mirror the text of the contract. Backends are tested against these functions wit
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from collections.abc import Callable
+
 import numpy as np
 
 from fd_core.interfaces.ops import (
@@ -42,6 +46,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "token_logprobs": {"rtol": 1e-5, "atol": 1e-5},  # as sample's: ids and ranks exact
     "pack_linear": {"rtol": 0.0, "atol": 0.0},  # tested through linear: what it returns is private
     "pack_experts": {"rtol": 0.0, "atol": 0.0},  # tested through moe, as pack_linear is
+    "deferred_bitmask": {"rtol": 1e-5, "atol": 1e-5},  # tested through sample_async's result()
 }
 
 # A 16-bit implementation computes in float32 (the contract says where) on the same rounded
@@ -80,7 +85,7 @@ def tolerance(op: str, dtype: str = "float32", quantization: str | None = None) 
     operand dtype, as attention its probabilities."""
     if op in ("linear", "moe") and quantization:
         return QUANTIZED_LINEAR_TOLERANCE
-    if dtype == "float32" or op in ("embedding", "sample", "sample_async", "token_logprobs"):
+    if dtype == "float32" or op in ("embedding", "sample", "sample_async", "token_logprobs", "deferred_bitmask"):
         return TOLERANCES[op]
     table = HALF_ATTENTION_TOLERANCES if op in ("attention", "moe") else HALF_TOLERANCES
     if dtype not in table:
@@ -480,6 +485,47 @@ class SampledOnHost:
         return self.output
 
 
+class HostBitmask:
+    """``deferred_bitmask``'s DeferredBitmask for NumPy: the array, and an event set by ready()."""
+
+    def __init__(self, rows: int, words: int) -> None:
+        self.array = np.full((rows, words), -1, dtype=np.int32)
+        self.filled = threading.Event()
+
+    def ready(self) -> None:
+        self.filled.set()
+
+
+def deferred_bitmask(rows: int, words: int) -> HostBitmask:
+    return HostBitmask(rows, words)
+
+
+class SampledLate(SampledOnHost):
+    """``sample_async``'s PendingSample drawn when the tokens are first asked for, once a
+    HostBitmask in the batch is ready, as a device would run it."""
+
+    def __init__(self, logits: np.ndarray, batch: SamplingBatch,
+                 draw: Callable[..., SampleOutput] | None = None) -> None:
+        self.logits, self.batch, self.lock = logits, batch, threading.Lock()
+        self.draw = draw or sample  # a runtime's sample, for a test emulating a device with it
+        self._output: SampleOutput | None = None
+
+    @property
+    def output(self) -> SampleOutput:  # type: ignore[override]
+        with self.lock:
+            if self._output is None:
+                batch, mask = self.batch, self.batch.allowed_token_bitmask
+                if isinstance(mask, HostBitmask):
+                    if not mask.filled.wait(60):
+                        raise TimeoutError("the deferred bitmask was never ready")
+                    batch = dataclasses.replace(batch, allowed_token_bitmask=mask.array)
+                self._output = self.draw(self.logits, batch)
+            return self._output
+
+
 def sample_async(logits: np.ndarray, batch: SamplingBatch) -> SampledOnHost:
-    """``sample``, handed back as a PendingSample (the op's semantics; no asynchrony in NumPy)."""
+    """``sample``, handed back as a PendingSample (the op's semantics; no asynchrony in NumPy,
+    except that a deferred bitmask is read when the tokens are asked for)."""
+    if isinstance(batch.allowed_token_bitmask, HostBitmask):
+        return SampledLate(logits, batch)
     return SampledOnHost(sample(logits, batch))

@@ -28,6 +28,9 @@ every op not listed in ``OPS``, to the reference implementation.
   through the torch reference's helpers, top logprobs with ``torch.topk``; one device-to-host
   copy. ``sample_async`` is the same, returned before that copy lands (pinned memory, an
   event), so the engine can queue the next step first.
+* ``deferred_bitmask``: a grammar mask in pinned host memory that ``sample_async`` reads behind a
+  device-side wait for the host's ``ready()`` (``deferred.py``), so the engine queues a step's
+  sample before its mask is computed.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Callable
 import torch
 from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatch
 
+from fd_backend_cuda.deferred import deferred_bitmask
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
 from fd_backend_cuda.kernels.moe import moe, pack_experts
@@ -81,6 +85,10 @@ SUPPORTED: dict[str, dict] = {
     "sample_async": {
         "dtypes": FLOAT_DTYPES,
         "note": "sample's kernel; the host copy is not waited for",
+    },
+    "deferred_bitmask": {
+        "dtypes": FLOAT_DTYPES,
+        "note": "pinned host mask behind cuStreamWaitValue32 on the sampling stream",
     },
 }
 
@@ -138,4 +146,5 @@ OPS: dict[str, Callable] = {
     "attention": attention,
     "sample": sample,
     "sample_async": sample_async,
+    "deferred_bitmask": deferred_bitmask,
 }

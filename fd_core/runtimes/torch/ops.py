@@ -485,11 +485,16 @@ def suppress(x: Tensor, batch: SamplingBatch) -> Tensor:
     return out.reshape(num_rows, vocab)
 
 
-def disallow(x: Tensor, batch: SamplingBatch) -> Tensor:
-    """``x`` with every token the row's ``allowed_token_bitmask`` leaves out at -inf (a new
-    tensor). The packed words go to the device (1/32 of a bool mask's bytes) and unpack there."""
+def upload_bitmask(mask: np.ndarray, device: torch.device) -> Tensor:
+    """``SamplingBatch.allowed_token_bitmask`` on ``device``: packed (1/32 of a bool mask's
+    bytes), for ``disallow`` to unpack there."""
+    return upload(np.ascontiguousarray(mask, dtype=np.int32), device)
+
+
+def disallow(x: Tensor, words: Tensor) -> Tensor:
+    """``x`` with every token the rows' packed bitmask ``words`` (``upload_bitmask``) leaves
+    out at -inf (a new tensor)."""
     num_rows, vocab = x.shape
-    words = upload(np.ascontiguousarray(batch.allowed_token_bitmask, dtype=np.int32), x.device)
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(num_rows, -1)[:, :vocab]
     return x.masked_fill(bits == 0, float("-inf"))
@@ -600,7 +605,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     if any(len(t) for t in batch.suppress_token_ids):
         x = suppress(x, batch)
     if batch.allowed_token_bitmask is not None:
-        x = disallow(x, batch)
+        x = disallow(x, upload_bitmask(batch.allowed_token_bitmask, x.device))
 
     if greedy.all():  # the common fast path: no sorting, no noise
         tokens = torch.argmax(x, dim=-1, keepdim=True)

@@ -47,6 +47,7 @@ from fd_core.interfaces.ops import SampleOutput, SamplingBatch
 from fd_core.runtimes.torch import ops as torch_ops
 from triton.language.extra import libdevice
 
+from fd_backend_cuda.deferred import GatedBitmask
 from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2
 
 # _key(-inf): no float32 other than NaN has a smaller key.
@@ -598,8 +599,10 @@ def sample_async(
         x = torch_ops.apply_penalties(x, batch)
     if any(len(t) for t in batch.suppress_token_ids):
         x = torch_ops.suppress(x, batch)
-    if batch.allowed_token_bitmask is not None:  # structured output's grammar
-        x = torch_ops.disallow(x, batch)
+    mask = batch.allowed_token_bitmask
+    if mask is not None:  # structured output's grammar; a deferred one is queued behind its wait
+        words = mask.upload(x.device) if isinstance(mask, GatedBitmask) else torch_ops.upload_bitmask(mask, x.device)
+        x = torch_ops.disallow(x, words)
     x = x.contiguous()
 
     top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
