@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -166,7 +167,7 @@ def test_steps_defer_their_masks_by_their_constrained_rows(deferred_cpu, model_d
     inline = []
     real = GrammarMatchers.fill
     monkeypatch.setattr(GrammarMatchers, "fill", lambda self, seqs, batch: (
-        inline.append(len(self.constrained(seqs))), real(self, seqs, batch))[1])
+        inline.append(len(self.constrained(seqs))), real(self, seqs, batch))[1])  # the engine's thread's fills
     params = [SamplingParams(temperature=0.9, seed=i, max_tokens=[6, 12, 30, 18][i % 4],
                              structured_outputs=S(regex=REGEX) if i % 2 else S(json=SCHEMA)) for i in range(8)]
     prompts = [f"prompt number {i} says" for i in range(8)]
@@ -288,21 +289,34 @@ def _single_token_text(llm, tokens, start):
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async", "deferred"])
-def test_a_grammar_can_wait_for_its_start(request, model_dir, scheduling):
+def test_a_grammar_can_wait_for_its_start(request, model_dir, scheduling, monkeypatch):
     """``starts_after`` (a reasoning model's end of thought): the output is free, and the same
-    as without a grammar, up to and including the waking tokens; the grammar holds after."""
+    as without a grammar, up to and including the waking tokens; the grammar holds after. A
+    constrained request beside it keeps its steps' masks deferred (deferred_cpu) while it
+    wakes: the grammar thread must see it wake before it fills that step's masks."""
     request.getfixturevalue("deferred_cpu" if scheduling == "deferred" else "async_cpu")
+    if scheduling == "deferred":  # the grammar thread lags: the engine queues the next step first
+        from fd_core.engine.structured.worker import Advance
+
+        run = Advance.run
+        monkeypatch.setattr(Advance, "run", lambda self: (time.sleep(0.02), run(self))[1])
     llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512,
               async_scheduling=scheduling != "sync")
-    free = llm.generate(["prompt number 0 says"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].token_ids
+    beside = SamplingParams(temperature=0, max_tokens=60, structured_outputs=S(json=SCHEMA))
+
+    def first(params):
+        outs = llm.generate(["prompt number 0 says", "beside it"], [params, beside], use_tqdm=False)
+        return outs[0].outputs[0], outs[1].outputs[0]
+
+    free, companion = first(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    free = free.token_ids
     at, trigger = _single_token_text(llm, free, 2)
-    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=S(regex=REGEX, starts_after=trigger))
-    out = llm.generate(["prompt number 0 says"], params, use_tqdm=False)[0].outputs[0]
+    assert len(companion.token_ids) > at + 2  # constrained while the other wakes
+    out, _ = first(SamplingParams(temperature=0, max_tokens=30, structured_outputs=S(regex=REGEX, starts_after=trigger)))
     assert out.token_ids[:at + 1] == free[:at + 1]
     answer = llm.engine.core.tokenizer.decode(out.token_ids[at + 1:])
     assert re.fullmatch(REGEX, answer) and out.finish_reason == "stop"
     # a start that never comes: no constraint at all
     never = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                            structured_outputs=S(regex=REGEX, starts_after="\u2603\u2603\u2603"))
-    assert llm.generate(["prompt number 0 says"], never, use_tqdm=False)[0].outputs[0].token_ids == free
+    assert first(never)[0].token_ids == free

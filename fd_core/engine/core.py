@@ -471,13 +471,14 @@ class EngineCore:
         if grammars is not None:
             def fill(sampled: list[Sequence], batch) -> None:
                 nonlocal previous, deferred
-                rows = grammars.constrained(sampled)
+                # every row with a grammar: one still waiting for its start may wake on the
+                # token of the step in flight, which is not advanced yet
+                rows = [(s.grammar, row) for row, s in enumerate(sampled) if s.grammar is not None]
                 deferred = masks is not None and len(rows) >= DEFER_ROWS
                 # A constrained row's mask needs its sequence's previous token, sampled by the
                 # step in flight: read that step now, while the forward just queued computes,
                 # unless the grammar thread advances it before it fills this step's masks.
-                if (previous is not None and (not deferred or previous.advance is None)
-                        and any(s.grammar is not None for s in sampled)):
+                if previous is not None and rows and (not deferred or previous.advance is None):
                     outputs.extend(self._read(previous))
                     previous = None
                 if deferred:  # the device holds the sample until the grammar thread has filled it

@@ -22,7 +22,13 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n", "tag"], "additionalProperties": False}
 
 
-def outputs(model, async_scheduling: bool):
+def outputs(model, async_scheduling: bool, monkeypatch):
+    from fd_core.engine.executor import Executor
+
+    made = []
+    real = Executor.deferred_bitmask
+    monkeypatch.setattr(Executor, "deferred_bitmask", lambda self, rows, words: (
+        made.append(rows), real(self, rows, words))[1])
     llm = LLM(model=str(model), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
               gpu_memory_utilization=0.2, async_scheduling=async_scheduling)
     params = []
@@ -31,16 +37,16 @@ def outputs(model, async_scheduling: bool):
         params.append(SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, n=2 if i == 4 else 1,
                                      ignore_eos=so is None, structured_outputs=so))
     outs = llm.generate([f"prompt number {i} says" for i in range(12)], params, use_tqdm=False)
-    core = llm.engine.core
-    deferred = core._masks is not None
-    core.shutdown()
-    return [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs], deferred
+    llm.engine.core.shutdown()
+    return [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs], len(made)
 
 
-def test_deferred_masks_give_the_synchronous_outputs(llama):
-    sync, sync_deferred = outputs(llama, False)
-    overlapped, deferred = outputs(llama, True)
-    assert deferred and not sync_deferred
+def test_deferred_masks_give_the_synchronous_outputs(llama, monkeypatch):
+    """9 constrained rows at first (one request with n=2), DEFER_ROWS (8) and more defer; the
+    rows thin out as requests end, and the rest are filled on the engine's thread."""
+    sync, sync_deferred = outputs(llama, False, monkeypatch)
+    overlapped, deferred = outputs(llama, True, monkeypatch)
+    assert deferred > 0 and sync_deferred == 0
     assert overlapped == sync
     for i, out in enumerate(overlapped):
         for tokens, reason, text in out:

@@ -32,8 +32,9 @@ from fd_core.interfaces.ops import token_bitmask_words
 log = logging.getLogger("fd.engine")
 
 MAX_TEMPLATES = 256  # distinct grammars kept compiled
-# llguidance's pool: half the host's cores, at most 8 (a 2-core machine fills on one thread)
-POOL = max(1, min(8, (os.cpu_count() or 2) // 2))
+# llguidance's pool: half the cores this process may run on, at most 8 (a 2-core machine fills
+# on one thread)
+POOL = max(1, min(8, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity") else 1))
 
 
 class Grammar:
@@ -135,10 +136,12 @@ class GrammarMatchers:
         return [(seq.grammar, row) for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.active]
 
     def fill_rows(self, rows: list[tuple[Grammar, int]], mask: np.ndarray, base: np.ndarray | None) -> None:
-        """Write the allowed tokens of each ``(grammar, row)`` into ``mask`` (int32 ``[S,
-        words]``, C-contiguous), intersected with ``base``'s row where there is one (the
-        request's own ``allowed_token_ids``); the other rows are ``base``'s, or all allowed."""
+        """Write the allowed tokens of each ``(grammar, row)`` whose grammar holds its next
+        token (one still waiting for its start is left out) into ``mask`` (int32 ``[S, words]``,
+        C-contiguous), intersected with ``base``'s row where there is one (the request's own
+        ``allowed_token_ids``); the other rows are ``base``'s, or all allowed."""
         start = time.perf_counter()
+        rows = [(g, row) for g, row in rows if g.active]
         if base is None:
             mask.fill(-1)
         else:

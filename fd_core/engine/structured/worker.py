@@ -9,10 +9,11 @@ the next step's mask can be filled, and the engine learns which sequences the gr
 One thread takes the jobs in the order they come, and it alone touches the matchers while the
 engine runs this way: a step's fill comes after the advance of the step before.
 
-Why a thread: where the forward is short (SmolLM2 at 32 rows on an H100: 2.4 ms a step, 1.8 ms
-of masks), computing the masks on the engine's thread makes every step that much longer; here
-the engine's thread schedules and queues the next step meanwhile (docs/PERFORMANCE.md,
-"Structured output").
+Why a thread: where the forward is short (SmolLM2 at 32 rows on an H100: 2.4 ms a step, 1.2-1.5
+ms of masks), computing the masks on the engine's thread makes every step that much longer;
+here the engine's thread schedules and queues the next step meanwhile (+16% a token against
++49%; docs/PERFORMANCE.md, "Structured output"). The engine defers only steps of at least
+``core.DEFER_ROWS`` constrained rows: for fewer, the hand-over between threads costs more.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class MaskWorker:
 
     def fill(self, rows: list[tuple[Grammar, int]], mask: DeferredBitmask, base: np.ndarray | None) -> None:
         """Queue: write the mask of each ``(grammar, row)`` into ``mask.array`` as
-        ``GrammarMatchers.fill_rows`` does, then ``mask.ready()``."""
+        ``GrammarMatchers.fill_rows`` does, then ``mask.ready()``. Which grammars hold their
+        row's token is decided then, after the step before has advanced them (a grammar that
+        waits for its start may wake on that step's token)."""
         self._jobs.put((rows, mask, base))
 
     def advance(self, grammars: list[Grammar | None], pending: PendingSample) -> Advance:
