@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+import zmq
 
 pytest.importorskip("transformers")  # the checkpoints are built with transformers
 
 from fd_core import LLM, SamplingParams  # noqa: E402
-from fd_core.errors import ConfigError  # noqa: E402
+from fd_core.engine.executor import Workers  # noqa: E402
+from fd_core.errors import BackendError, ConfigError  # noqa: E402
 from fd_core.models.parallel import TensorParallel  # noqa: E402
 from tests import checkpoints  # noqa: E402
 
@@ -114,3 +117,37 @@ def test_a_rank_that_dies_is_reported_not_waited_for(tmp_path, when):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert "RAISED tensor-parallel rank 1 exited with code -9" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert "ALL RANKS GONE True" in run.stdout
+
+
+def test_a_survivors_error_seen_before_the_dead_ranks_exit_still_names_the_dead_rank():
+    # A killed rank's sockets close before its exit can be reaped, so rank 0's "peer closed"
+    # error can reach the engine while rank 1 still polls as running.
+    class Dying:
+        def __init__(self, polls_alive: int | None) -> None:
+            self.polls_alive, self.returncode = polls_alive, None
+
+        def poll(self) -> int | None:
+            if self.polls_alive is None:
+                return None
+            if self.polls_alive == 0:
+                self.returncode = -9
+                return -9
+            self.polls_alive -= 1
+            return None
+
+    ctx = zmq.Context()
+    workers = Workers.__new__(Workers)
+    workers.world_size = 2
+    workers._procs = [Dying(None), Dying(3)]
+    workers._replies = ctx.socket(zmq.PULL)
+    workers._replies.bind("inproc://replies")
+    push = ctx.socket(zmq.PUSH)
+    push.connect("inproc://replies")
+    push.send(pickle.dumps((0, False, "gloo: connection closed by peer")))
+    try:
+        with pytest.raises(BackendError, match=r"^tensor-parallel rank 1 exited with code -9$"):
+            workers.wait(timeout=5)
+    finally:
+        push.close(linger=0)
+        workers._replies.close(linger=0)
+        ctx.term()

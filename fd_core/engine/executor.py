@@ -59,6 +59,7 @@ Fill = Callable[[list[Sequence], SamplingBatch], None]
 
 _REPLY_POLL_MS = 100
 _START_TIMEOUT_S = 900.0
+_DEATH_GRACE_S = 0.5  # how long a rank's failure waits for another rank's exit to be seen
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -112,6 +113,12 @@ class Workers:
                 return rank, proc.returncode
         return None
 
+    def _dead_within(self, seconds: float) -> tuple[int, int | None] | None:
+        deadline = time.monotonic() + seconds
+        while (gone := self.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return gone
+
     def _send(self, message: tuple, timeout: float = _START_TIMEOUT_S) -> None:
         frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sender in enumerate(self._senders):
@@ -141,8 +148,11 @@ class Workers:
             if self._replies.poll(_REPLY_POLL_MS):
                 rank, ok, detail = pickle.loads(self._replies.recv())
                 if not ok:
-                    gone = self.dead()  # a rank that died makes the others' collectives fail:
-                    if gone:            # report the cause, not the symptom
+                    # A rank that died makes the others' collectives fail: report the cause, not
+                    # the symptom. Its sockets close before its exit can be reaped, so the
+                    # survivor's error may come first: give the exit a moment to show.
+                    gone = self._dead_within(_DEATH_GRACE_S)
+                    if gone:
                         raise BackendError(f"tensor-parallel rank {gone[0]} exited with code {gone[1]}")
                     raise BackendError(f"tensor-parallel rank {rank} failed: {detail}")
                 results[rank] = detail
