@@ -53,6 +53,7 @@ def run(model_dir, params, n_prompts=6, **engine_args):
     ({"json": ["not", "a", "schema"]}, "structured_outputs.json"),
     ({"json": {"type": "wat"}}, "structured_outputs.json"),
     ({"json": {"type": "integer", "minimum": "x"}}, "structured_outputs.json"),
+    ({"json": {"": None, " ": [-18446744073709551616]}}, "structured_outputs.json"),  # past 64 bits (a fuzz's)
     ({"regex": "a(b"}, "structured_outputs.regex"),
     ({"regex": ""}, "structured_outputs.regex"),
     ({"choice": []}, "structured_outputs.choice"),

@@ -590,6 +590,10 @@ class EngineCore:
         tokens, logprobs, ranks = o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist()
         top_ids, top_logprobs = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
+        if ended is None and self.grammars is not None:
+            # sequences that ended while this step computed have no grammar left
+            ended = self.grammars.advance([s.grammar if s.status is not Status.FINISHED else None
+                                           for s in sampled], tokens)
         for row, seq in enumerate(sampled):
             token = tokens[row]
             if slots is None:
@@ -611,11 +615,7 @@ class EngineCore:
                     output.prefill_time = time.monotonic() - seq.scheduled_at
                 if seq.prompt_scored is not None:
                     output.prompt_logprobs = self._prompt_logprobs(seq)
-            grammar = None
-            if ended is not None:
-                grammar = ended[row]
-            elif seq.grammar is not None:
-                grammar = seq.grammar.advance(token)
+            grammar = ended[row] if ended is not None else None
             if (grammar or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count, grammar)

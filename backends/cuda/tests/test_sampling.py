@@ -215,6 +215,41 @@ def test_sample_matches_spec_with_logit_bias(seed):
     assert torch.equal(device_logits, before)
 
 
+@pytest.mark.parametrize("cap", [16, 256])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_grammar_bitmask_read_in_the_kernel_matches_spec(seed, cap):
+    """The bitmask alone (the kernel reads the raw logits and the mask: nothing else processed)
+    and with penalties, in every mode, with rows that allow one token, a few (greedy's argmax
+    and top-k's survivors among the left out), most, or all; small ``cap`` makes the searches
+    gather, so the scratch row must hold allowed tokens only. Logprobs stay the raw ones."""
+    from fd_core.interfaces.ops import pack_token_bitmask
+
+    rng = np.random.default_rng(200 + seed)
+    modes = list(MODES)
+    rows, vocab = len(modes), int(rng.choice([300, 2048, 5003]))
+    logits = logits_like_a_model(rng, rows, vocab)
+    order = np.argsort(-logits, axis=1, kind="stable")
+    allowed = rng.random((rows, vocab)) < rng.choice([0.02, 0.3, 0.9], (rows, 1))
+    allowed[0, :] = False
+    allowed[0, order[0, 7]] = True  # greedy: one token allowed, not the argmax
+    allowed[2, order[2, :60]] = False  # top-k: its survivors all left out
+    allowed[3] = True  # a row the grammar does not constrain
+    logits[1, ~allowed[1]] += 200.0  # left out, and far above the allowed: exp() of the gap overflows
+    for penalties in (False, True):
+        extra = {"repetition_penalty": rng.choice([1.0, 1.3], rows),
+                 "output_token_ids": [rng.integers(0, vocab, 8) for _ in range(rows)]} if penalties else {}
+        batch = mixed_batch(rng, rows, vocab, modes, num_logprobs=3, **extra)
+        batch.allowed_token_bitmask = pack_token_bitmask(allowed)
+        expected = spec.sample(logits, batch)
+        actual = sampling.sample(torch.from_numpy(logits).to(DEVICE), batch, cap=cap)
+        np.testing.assert_array_equal(actual.token_ids, expected.token_ids)
+        np.testing.assert_array_equal(actual.ranks, expected.ranks)
+        np.testing.assert_array_equal(actual.top_ids, expected.top_ids)
+        np.testing.assert_allclose(actual.logprobs, expected.logprobs, **spec.TOLERANCES["sample"])
+        assert all(allowed[r, t] for r, t in enumerate(actual.token_ids))
+        assert actual.token_ids[0] == order[0, 7]
+
+
 def test_sample_draws_follow_the_distribution():
     """Over many seeds the kernel's draws are the spec's, token for token, and the spec's follow
     the probabilities (``tests/test_op_spec.py`` checks that part at length)."""

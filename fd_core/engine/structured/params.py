@@ -175,7 +175,10 @@ def _grammar(kind: str, text: str, compact: bool, closed: bool) -> str:
         schema = jsonlib.loads(text) if kind == "json" else {"type": "object"}
         if closed:
             schema = _closed(copy.deepcopy(schema))
-        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except (ValueError, TypeError) as exc:  # e.g. an integer past 64 bits, which llguidance cannot hold
+            raise InvalidRequestError(f"{param} is not a valid JSON schema: {exc}", param=param) from None
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(ascii_classes(text))
     elif kind == "choice":

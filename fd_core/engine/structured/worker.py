@@ -33,7 +33,7 @@ log = logging.getLogger("fd.engine")
 
 class Advance:
     """The grammars of a step's rows advanced by its tokens: ``wait()`` returns, per row, why
-    the row's sequence ends there (``Grammar.advance``: ``"stop"``, ``"abort"``) or None."""
+    the row's sequence ends there (``GrammarMatchers.advance``: ``"stop"``, ``"abort"``) or None."""
 
     def __init__(self, grammars: list[Grammar | None], pending: PendingSample, worker: MaskWorker) -> None:
         self.grammars, self.pending, self.worker = grammars, pending, worker
@@ -41,8 +41,7 @@ class Advance:
         self.done = threading.Event()
 
     def run(self) -> None:
-        tokens = self.pending.result().token_ids.tolist()
-        self.ended = [None if g is None else g.advance(t) for g, t in zip(self.grammars, tokens)]
+        self.ended = self.worker.matchers.advance(self.grammars, self.pending.result().token_ids.tolist())
 
     def wait(self) -> list[str | None]:
         self.done.wait()

@@ -178,24 +178,35 @@ def _lowest_argmax(values, ids):
 
 
 @triton.jit
-def _load(row, c, n, COMPACT: tl.constexpr):
-    """Token ids and logits at positions ``c`` of the row's source: the whole row, or
-    (``COMPACT``) the candidates gathered in the scratch row."""
-    x_row, ids_row, xs_row, _, _ = row
+def _masked(x, words_row, c, valid, HAS_MASK: tl.constexpr):
+    """``x`` at token ids ``c``, -inf where the row's packed bitmask (``words_row``: bit ``c % 32``
+    of word ``c // 32``) leaves the token out."""
+    if HAS_MASK:
+        word = tl.load(words_row + c // 32, mask=valid, other=0)
+        x = tl.where(((word >> (c % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _load(row, c, n, COMPACT: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Token ids and logits at positions ``c`` of the row's source: the whole row (the tokens
+    its bitmask leaves out at -inf), or (``COMPACT``) the candidates gathered in the scratch
+    row, which hold only tokens the mask allows."""
+    x_row, ids_row, xs_row, _, _, words_row = row
     valid = c < n
     if COMPACT:
         ids = tl.load(ids_row + c, mask=valid, other=0)
         x = tl.load(xs_row + c, mask=valid, other=float("-inf"))
     else:
         ids = c
-        x = tl.load(x_row + c, mask=valid, other=float("-inf"))
+        x = _masked(tl.load(x_row + c, mask=valid, other=float("-inf")), words_row, c, valid, HAS_MASK)
     return ids, x, valid
 
 
 @triton.jit
 def _z(x, row):
     """The spec's ``z = (x - max) / T``, rounded as it rounds."""
-    _, _, _, best, temperature = row
+    _, _, _, best, temperature, _ = row
     return tl.math.div_rn(x - best, temperature)
 
 
@@ -226,7 +237,7 @@ def _search_value(x, row, cut, BY_MASS: tl.constexpr, PRECISE: tl.constexpr):
 @triton.jit
 def _above_of(
     row, n, cut, pivots, BY_MASS: tl.constexpr, COMPACT: tl.constexpr, SBLOCK: tl.constexpr,
-    UNROLL: tl.constexpr, WAYS: tl.constexpr, PRECISE: tl.constexpr,
+    UNROLL: tl.constexpr, WAYS: tl.constexpr, PRECISE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """The count (and, ``BY_MASS``, the mass) of the source's tokens above each pivot.
 
@@ -239,7 +250,7 @@ def _above_of(
     lane_mass = tl.zeros([WAYS, SBLOCK], tl.float32)
     for start in range(0, n, SBLOCK * UNROLL):
         for u in tl.static_range(UNROLL):
-            _, x, valid = _load(row, start + u * SBLOCK + scols, n, COMPACT)
+            _, x, valid = _load(row, start + u * SBLOCK + scols, n, COMPACT, HAS_MASK)
             v = _search_value(x, row, cut, BY_MASS, PRECISE)
             over = (_key(v)[None, :] > p32[:, None]) & valid[None, :]
             lane_above += over.to(tl.int32)
@@ -251,18 +262,18 @@ def _above_of(
 @triton.jit
 def _gather(
     row, vocab, cut, lo, hi, everything, BY_MASS: tl.constexpr, CAP: tl.constexpr,
-    BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """Copies the row's tokens (id and logit) whose key is in ``[lo, hi]``, or ``>= lo`` where
     ``everything``, into the scratch row in id order. Returns how many, and the count and mass
     of the tokens above ``hi`` it left out."""
-    _, ids_row, xs_row, _, _ = row
+    _, ids_row, xs_row, _, _, _ = row
     cols = tl.arange(0, BLOCK)
     gathered = tl.zeros([], tl.int32)
     lane_count = tl.zeros([BLOCK], tl.int32)
     lane_mass = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
-        ids, x, valid = _load(row, start + cols, vocab, False)
+        ids, x, valid = _load(row, start + cols, vocab, False, HAS_MASK)
         v = _search_value(x, row, cut, BY_MASS, PRECISE)
         key = _key(v)
         left = valid & (key > hi) & (everything == 0)
@@ -281,7 +292,7 @@ def _gather(
 def _threshold(
     row, vocab, n, compact, cut, lo, hi, target, BY_MASS: tl.constexpr, CAP: tl.constexpr,
     BLOCK: tl.constexpr, SBLOCK: tl.constexpr, UNROLL: tl.constexpr, WAYS: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """The smallest key ``c`` in ``[lo, hi]`` (``hi`` qualifies by convention) at which the
     tokens above hold less than ``target``: a count of logit keys (top-k) or, ``BY_MASS``, a
@@ -303,7 +314,7 @@ def _threshold(
         if (compact == 0) & (within <= CAP) & (within * 4 <= n):
             everything = (at_least_lo <= CAP).to(tl.int32)
             n, base_count, base_mass = _gather(
-                row, vocab, cut, lo, hi, everything, BY_MASS, CAP, BLOCK, PRECISE
+                row, vocab, cut, lo, hi, everything, BY_MASS, CAP, BLOCK, PRECISE, HAS_MASK
             )
             compact = tl.full([], 1, tl.int32)
             partial = 1 - everything
@@ -311,11 +322,11 @@ def _threshold(
         # The branch is taken outside the loop, so that each loop is straight-line code.
         if compact != 0:
             above, mass = _above_of(
-                row, n, cut, pivots, BY_MASS, True, SBLOCK, UNROLL, WAYS, PRECISE
+                row, n, cut, pivots, BY_MASS, True, SBLOCK, UNROLL, WAYS, PRECISE, HAS_MASK
             )
         else:
             above, mass = _above_of(
-                row, n, cut, pivots, BY_MASS, False, SBLOCK, UNROLL, WAYS, PRECISE
+                row, n, cut, pivots, BY_MASS, False, SBLOCK, UNROLL, WAYS, PRECISE, HAS_MASK
             )
         above += base_count
         if BY_MASS:
@@ -338,7 +349,7 @@ def _threshold(
 @triton.jit
 def _sweep_of(
     row, n, cut, keep, race, WHAT: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """One pass over the source. ``WHAT`` 0: the top-k survivors' exp sum; 1: the kept mass;
     2: the race's winner. ``keep = (edge, floor)``: the top-p key and min-p floor a kept token
@@ -351,7 +362,7 @@ def _sweep_of(
     lane = tl.full([BLOCK], -1.0 if WHAT == 2 else 0.0, tl.float32)
     lane_id = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
-        ids, x, valid = _load(row, start + cols, n, COMPACT)
+        ids, x, valid = _load(row, start + cols, n, COMPACT, HAS_MASK)
         z = _z(x, row)
         if WHAT == 0:
             lane += tl.where(valid & (_key(z) >= kth), _exp(z, PRECISE), 0.0)
@@ -379,13 +390,13 @@ def _sweep_of(
 @triton.jit
 def _sweep(
     row, n, compact, cut, keep, race, WHAT: tl.constexpr, BLOCK: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """``_sweep_of`` over the row or the scratch row, the branch taken outside the loop."""
     if compact != 0:
-        value, token = _sweep_of(row, n, cut, keep, race, WHAT, True, BLOCK, PRECISE)
+        value, token = _sweep_of(row, n, cut, keep, race, WHAT, True, BLOCK, PRECISE, HAS_MASK)
     else:
-        value, token = _sweep_of(row, n, cut, keep, race, WHAT, False, BLOCK, PRECISE)
+        value, token = _sweep_of(row, n, cut, keep, race, WHAT, False, BLOCK, PRECISE, HAS_MASK)
     return value, token
 
 
@@ -400,7 +411,10 @@ def _sample_kernel(
     ids_ptr,
     xs_ptr,
     out_ptr,
+    words_ptr,
+    words_stride,
     RAW_IS_X: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK: tl.constexpr,
     SBLOCK: tl.constexpr,
@@ -411,6 +425,7 @@ def _sample_kernel(
     i = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + i * x_stride
     raw_row = raw_ptr + i * raw_stride
+    words_row = words_ptr + i * words_stride
     cols = tl.arange(0, BLOCK)
 
     # The max and its lowest id (the greedy answer), kept per lane and reduced once: within a
@@ -419,7 +434,7 @@ def _sample_kernel(
     lane_id = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         c = start + cols
-        x = tl.load(x_row + c, mask=c < vocab, other=float("-inf"))
+        x = _masked(tl.load(x_row + c, mask=c < vocab, other=float("-inf")), words_row, c, c < vocab, HAS_MASK)
         bigger = x > lane_max
         lane_id = tl.where(bigger, c, lane_id)
         lane_max = tl.where(bigger, x, lane_max)
@@ -434,7 +449,7 @@ def _sample_kernel(
         top_k = tl.load(params + 3)  # 0 when off
         key0, key1 = _row_keys(tl.load(params + 4), tl.load(params + 5))
         race = (tl.zeros([], tl.float32), key0, key1)
-        row = (x_row, ids_ptr + i * CAP, xs_ptr + i * CAP, best, temperature)
+        row = (x_row, ids_ptr + i * CAP, xs_ptr + i * CAP, best, temperature, words_row)
         n = vocab
         compact = tl.zeros([], tl.int32)
 
@@ -445,11 +460,12 @@ def _sample_kernel(
             kth_x, n, compact = _threshold(
                 row, vocab, n, compact, (kth, 1.0), tl.full([], KEY_NEG_INF, tl.int64),
                 _key(best).to(tl.int64), top_k, False, CAP, BLOCK, SBLOCK, UNROLL, WAYS, PRECISE,
+                HAS_MASK,
             )  # fmt: skip
             kth = _key(_z(_unkey(kth_x), row))
 
         # The survivors' exp sum (every z <= 0 and the max's is 0: no shift needed).
-        total, _ = _sweep(row, n, compact, (kth, 1.0), (0, 0.0), race, 0, BLOCK, PRECISE)
+        total, _ = _sweep(row, n, compact, (kth, 1.0), (0, 0.0), race, 0, BLOCK, PRECISE, HAS_MASK)
         cut = (kth, total)
         p_max = tl.math.div_rn(1.0, total)  # exp(0) / S
 
@@ -458,19 +474,19 @@ def _sample_kernel(
         if top_p < 1.0:
             edge, n, compact = _threshold(
                 row, vocab, n, compact, cut, tl.zeros([], tl.int64), _key(p_max).to(tl.int64),
-                top_p, True, CAP, BLOCK, SBLOCK, UNROLL, WAYS, PRECISE,
+                top_p, True, CAP, BLOCK, SBLOCK, UNROLL, WAYS, PRECISE, HAS_MASK,
             )  # fmt: skip
         keep = (edge, min_p * p_max)  # the min-p floor is 0 (keeps all) when it is off
 
         # The kept mass, then the race over the renormalised distribution.
-        kept, _ = _sweep(row, n, compact, cut, keep, race, 1, BLOCK, PRECISE)
+        kept, _ = _sweep(row, n, compact, cut, keep, race, 1, BLOCK, PRECISE, HAS_MASK)
         race = (kept, race[1], race[2])
-        _, token = _sweep(row, n, compact, cut, keep, race, 2, BLOCK, PRECISE)
+        _, token = _sweep(row, n, compact, cut, keep, race, 2, BLOCK, PRECISE, HAS_MASK)
 
     # The raw log-softmax numbers: the token's logprob, its rank (tokens whose raw logit is at
     # least its own) and the row's logsumexp, in one more pass over the raw logits.
     chosen = tl.load(raw_row + token)
-    if RAW_IS_X:
+    if RAW_IS_X and not HAS_MASK:
         raw_max = best
     else:
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -505,9 +521,12 @@ def draw(
     steps: np.ndarray,
     cap: int = CAP,
     block: int | None = None,
+    words: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One launch for a step's rows: float32 logits ``x [S, V]`` after the bias, penalties,
-    suppression and bitmask (``raw`` before them: the same tensor where the batch has none),
+    """One launch for a step's rows: float32 logits ``x [S, V]`` after the bias, penalties and
+    suppression (``raw`` before them: the same tensor where the batch has none), the grammar's
+    packed bitmask ``words`` (int32 ``[S, W]`` on the device, ``upload_bitmask``) applied as the
+    kernel reads ``x``,
     per-row host parameters (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch,
     from which the kernel derives each row's noise keys). Returns int64 ``[S, 4]`` on the device:
     token id, rank, and the float32 bit patterns of the token's raw logprob and of the row's raw
@@ -544,7 +563,10 @@ def draw(
         ids,
         xs,
         out,
+        x if words is None else words,  # unread without a mask
+        0 if words is None else words.stride(0),
         RAW_IS_X=raw is x,
+        HAS_MASK=words is not None,
         CAP=cap,
         BLOCK=block,
         SBLOCK=sblock,
@@ -585,30 +607,29 @@ def sample(
 def sample_async(
     logits: torch.Tensor, batch: SamplingBatch, cap: int = CAP, block: int | None = None
 ) -> DeviceSample:
-    """The ``sample_async`` op: logit bias, penalties, suppression and the grammar's bitmask (the
-    torch reference's, only where the batch has them), then ``_sample_kernel`` (token, raw
-    logprob, rank), and the top logprobs with torch ops when asked; one device-to-host copy, not
+    """The ``sample_async`` op: logit bias, penalties and suppression (the torch reference's,
+    only where the batch has them), then ``_sample_kernel`` (the grammar's bitmask applied as it
+    reads the logits; token, raw logprob, rank), and the top logprobs with torch ops when asked; one device-to-host copy, not
     waited for."""
     check_float("sample: logits", logits)
     raw = logits.float()
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
-    rows, vocab = raw.shape
+    vocab = raw.shape[1]
     x = torch_ops.bias(raw, batch) if batch.logit_bias is not None else raw
     if batch.needs_penalties:
         x = torch_ops.apply_penalties(x, batch)
     if any(len(t) for t in batch.suppress_token_ids):
         x = torch_ops.suppress(x, batch)
-    mask = batch.allowed_token_bitmask
+    mask, words = batch.allowed_token_bitmask, None
     if mask is not None:  # structured output's grammar; a deferred one is queued behind its wait
         words = mask.upload(x.device) if isinstance(mask, GatedBitmask) else torch_ops.upload_bitmask(mask, x.device)
-        x = torch_ops.disallow(x, words)
     x = x.contiguous()
 
     top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
     packed = draw(
         x, raw, batch.temperature, top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps,
-        cap=cap, block=block,
+        cap=cap, block=block, words=words,
     )
     k = batch.num_logprobs
     if k > 0:
