@@ -311,10 +311,45 @@ def test_chat_stop_string(http):
 
 
 def test_neutral_values_of_unhonoured_fields_pass(http):
-    r = chat(http, use_beam_search=False, length_penalty=1.0, priority=0, modalities=["text"], echo=False,
-             spaces_between_special_tokens=True, logits_processors=[], continue_final_message=False, max_tokens=2)
+    r = chat(http, use_beam_search=False, length_penalty=1.0, priority=0, modalities=["text"],
+             spaces_between_special_tokens=True, logits_processors=[], max_tokens=2)
     assert r.status_code == 200, r.text
     assert complete(http, prompt_embeds=None, use_beam_search=False, max_tokens=2).status_code == 200
+
+
+def test_continue_final_message_reaches_the_template(http, monkeypatch):
+    seen: dict = {}
+    render = http.fake.tokenizer.apply_chat_template
+
+    def capture(messages, add_generation_prompt=True, **kw):
+        seen.update(kw, add_generation_prompt=add_generation_prompt)
+        return render(messages, add_generation_prompt, **kw)
+
+    monkeypatch.setattr(http.fake.tokenizer, "apply_chat_template", capture)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    r = chat(http, messages=messages, continue_final_message=True, add_generation_prompt=False, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert seen["continue_final_message"] is True and seen["add_generation_prompt"] is False
+    assert chat(http, continue_final_message=False, max_tokens=2).status_code == 200
+
+
+def test_chat_echo_begins_the_reply_with_the_assistants_last_message(http):
+    def content(r):
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    def streamed(r):
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events(r)[:-1] if e["choices"])
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once "}]
+    body = dict(messages=messages, continue_final_message=True, add_generation_prompt=False, max_tokens=3)
+    plain = content(chat(http, **body))
+    assert plain and content(chat(http, echo=True, **body)) == "Once " + plain
+    assert streamed(chat(http, echo=True, stream=True, **body)) == "Once " + plain
+    parts = [messages[0], {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}]
+    assert content(chat(http, echo=True, messages=parts, max_tokens=3)).startswith("A\nB")
+    # the last message is the user's: nothing to echo
+    assert content(chat(http, echo=True, max_tokens=3)) == content(chat(http, max_tokens=3))
 
 
 def test_token_rules_and_template_fields_reach_the_engine(http, monkeypatch):
@@ -331,7 +366,7 @@ def test_token_rules_and_template_fields_reach_the_engine(http, monkeypatch):
     assert r.status_code == 200, r.text
     _, ids, params = http.fake.requests[-1]
     assert params.allowed_token_ids == [5, 6] and params.bad_words == ["x y"]
-    assert seen == {"documents": docs, "reasoning_effort": "low"}
+    assert seen == {"documents": docs, "reasoning_effort": "low", "continue_final_message": False}
     assert ids[0] != 1  # the template placed the special tokens; with add_special_tokens the tokenizer adds BOS too
     assert chat(http, add_special_tokens=True, max_tokens=2).status_code == 200 and http.fake.requests[-1][1][0] == 1
     assert complete(http, add_special_tokens=False, max_tokens=2).status_code == 200
@@ -754,8 +789,8 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"function_call": "auto"}, "function_call"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ({"echo": True}, "echo"),
-    ({"continue_final_message": True}, "continue_final_message"),
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])

@@ -34,6 +34,28 @@ def test_readme_example(llm):
 
 
 @pytest.mark.oracle
+def test_a_prefilled_reply_renders_as_transformers_and_is_continued(llm):
+    """continue_final_message: the prompt is transformers' own rendering of the open message,
+    token for token, and the model goes on with the sentence."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from fd_core.loader import resolve_model
+
+    path = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    conv = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)
+    ids = hf_tok.apply_chat_template(conv, continue_final_message=True, tokenize=True, return_dict=False)
+    if hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    assert list(ids) == out[0].prompt_token_ids
+    assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.oracle
 @pytest.mark.parametrize("forced", [False, True], ids=["until-eos", "64-tokens"])
 def test_greedy_equals_transformers_on_the_gguf(llm, forced):
     _greedy_equals_transformers(llm, forced)

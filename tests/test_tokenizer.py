@@ -217,3 +217,37 @@ def test_pre_tokenizer_table_matches_transformers():
 
     assert gguf_loader._SPLITS == mapping.GGUF_PRE_TOKENIZER_SPLITS
     assert "smollm" not in gguf_loader._SPLITS
+
+
+# --- continue_final_message: a prefilled reply left open ----------------------------------------
+
+PREFILL = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a "}]
+
+
+def test_continue_final_message_leaves_the_last_message_open(smollm2):
+    closed = smollm2.apply_chat_template(PREFILL, add_generation_prompt=False)
+    assert closed.endswith("Once upon a <|im_end|>\n")
+    opened = smollm2.apply_chat_template(PREFILL, add_generation_prompt=False, continue_final_message=True)
+    assert opened == closed[: -len("<|im_end|>\n")]  # the template kept the trailing space: so is it here
+    parts = [PREFILL[0], {"role": "assistant", "content": [{"type": "text", "text": "Once upon a "}]}]
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content if m.content is string else m.content[0].text }}</s>{% endfor %}"
+    assert render_chat_template(template, parts, continue_final_message=True).endswith("<assistant>Once upon a ")
+
+
+def test_continue_final_message_drops_whitespace_the_template_stripped():
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>\n{% endfor %}"
+    out = render_chat_template(template, PREFILL, continue_final_message=True)
+    assert out == "<user>Tell me a story.</s>\n<assistant>Once upon a"
+
+
+@pytest.mark.parametrize("messages, kwargs, match", [
+    (PREFILL, {"add_generation_prompt": True}, "cannot both be true"),
+    ([PREFILL[0], {"role": "assistant", "content": "  "}], {}, "needs a last message with text"),
+    ([PREFILL[0], {"role": "assistant", "content": [{"type": "image_url"}]}], {}, "needs a last message with text"),
+    ([PREFILL[0], {"role": "assistant", "content": "Once"}], {"template": "{{ messages[-1].content | upper }}"},
+     "does not show the last message"),
+])
+def test_continue_final_message_refusals_name_the_problem(messages, kwargs, match):
+    template = kwargs.pop("template", "{% for m in messages %}{{ m.content }}|{% endfor %}")
+    with pytest.raises(InvalidRequestError, match=match):
+        render_chat_template(template, messages, continue_final_message=True, **kwargs)

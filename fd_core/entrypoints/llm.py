@@ -67,8 +67,11 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or many, rendered with the model's chat template."""
+        """Generate replies to one conversation or many, rendered with the model's chat template.
+        ``continue_final_message`` (with ``add_generation_prompt=False``): the model goes on with
+        the last message instead of starting a new one, as in vLLM."""
         if self.engine.tokenizer is None:
             raise InvalidRequestError("chat needs a tokenizer, and this engine has none (skip_tokenizer_init)")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -81,6 +84,7 @@ class LLM:
                 if not isinstance(m, dict) or "role" not in m or "content" not in m:
                     raise InvalidRequestError(f"each message needs 'role' and 'content', got {m!r}")
             text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
                                            **(chat_template_kwargs or {}))
             # the template already placed any BOS it wants
             prompts.append((text, encode_prompt(tok, text, self.engine.max_model_len, "messages",

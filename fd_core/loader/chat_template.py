@@ -93,6 +93,7 @@ def render_chat_template(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
     special_tokens: Mapping[str, str | None] | None = None,
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
@@ -103,9 +104,15 @@ def render_chat_template(
     ``special_tokens`` (``bos_token``, ``eos_token``...) are visible to the template as variables,
     and ``kwargs`` override them, as in ``transformers``. Keys whose value is ``None`` are dropped from
     each message first: OpenAI-style clients send ``content=None`` that templates would print.
+    ``continue_final_message``: the text ends with the last message's content, left open (what
+    the template puts after it, such as an end-of-turn token, is cut), so that the model goes on
+    with it: a prefilled reply.
     """
     if not messages:
         raise InvalidRequestError("A chat request needs at least one message.")
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: set "
+                                  "add_generation_prompt to false to continue the last message.")
     cleaned = []
     for message in messages:
         if not isinstance(message, Mapping):
@@ -114,7 +121,7 @@ def render_chat_template(
     variables = {key: value for key, value in (special_tokens or {}).items() if value is not None}
     variables.update(kwargs)
     try:
-        return _compile(template).render(
+        text = _compile(template).render(
             messages=cleaned,
             tools=tools,
             documents=documents,
@@ -125,6 +132,29 @@ def render_chat_template(
         raise CheckpointError(f"The model's chat template does not parse: {exc}.") from exc
     except jinja2.exceptions.TemplateError as exc:
         raise InvalidRequestError(f"The model's chat template rejected this conversation: {exc}.") from exc
+    return _left_open(text, cleaned[-1]) if continue_final_message else text
+
+
+def _left_open(text: str, final: Mapping[str, Any]) -> str:
+    """``text`` cut just after the last place ``final``'s content appears in it. Templates often
+    strip a message's surrounding whitespace: the content's own trailing whitespace is kept only
+    where the template kept it."""
+    content = final.get("content")
+    if isinstance(content, list):  # content parts: the last text one is what must end the text
+        texts = [part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequestError("continue_final_message needs a last message with text to continue.")
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message: the chat template does not show the last message's "
+                                  "text as it was sent, so it cannot be left open.")
+    end = at + len(core)
+    tail = content[len(content.rstrip()):]
+    if tail and text.startswith(tail, end):
+        end += len(tail)
+    return text[:end]
 
 
 def read_chat_template(value: str) -> str:

@@ -74,18 +74,21 @@ class TextTokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: Any
     ) -> str:
         """Render ``messages`` with the checkpoint's template.
 
         ``chat_template`` picks a named template (or passes one); ``tools``, ``documents`` and any other
-        keyword become template variables.
+        keyword become template variables. ``continue_final_message``: the text ends with the last
+        message's content, left open (``render_chat_template``).
         """
         template = select_template(self.chat_template, kwargs.pop("chat_template", None), kwargs.get("tools"))
         return render_chat_template(
             template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             special_tokens=self.special_tokens,
             **kwargs,
         )

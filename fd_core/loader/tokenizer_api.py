@@ -16,7 +16,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: object
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, **kwargs: object
     ) -> str:
-        """Render a conversation with the model's own chat template."""
+        """Render a conversation with the model's own chat template; ``continue_final_message``:
+        end with the last message's content, left open for the model to go on with."""
         ...

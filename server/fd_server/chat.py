@@ -73,21 +73,35 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
         client, body, prompt_len=len(prompt_ids),
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=None, logprobs=logprobs,
         logprobs_param="top_logprobs", constraint=constraint, prompt_logprobs=P.prompt_logprobs(body))
-    reader = Reader(reasoning, tools, thinking, body.include_reasoning)
+    reader = Reader(reasoning, tools, thinking, body.include_reasoning, _echoed(body))
     batch = Batch(ctx.monitor, new_id("chatcmpl"), arrival, ctx.request_timeout, ctx.log_requests)
     batch.submit(prompt_ids, sampling, prompt_text, body.cache_salt)
     if body.stream:
-        return SSEResponse(_events(ctx, body, batch, len(prompt_ids), logprobs, reader), on_close=batch.close)
+        return SSEResponse(_events(ctx, body, batch, prompt_ids, logprobs, reader), on_close=batch.close)
     (output,) = await batch.final(request)
+    ids = body.return_token_ids
     choices = []
     for o in output.outputs:
         message, finish = reader.message(o.text, o.finish_reason)
         choices.append(ChatCompletionChoice(index=o.index, message=message, finish_reason=finish,
-                                            logprobs=_logprobs(o.token_ids, o.logprobs, logprobs, ctx.tokenizer)))
+                                            logprobs=_logprobs(o.token_ids, o.logprobs, logprobs, ctx.tokenizer),
+                                            token_ids=list(o.token_ids) if ids else None))
     completion = sum(len(o.token_ids) for o in output.outputs)
     return ChatCompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices,
                                   usage=_usage(len(prompt_ids), completion, output.num_cached_tokens),
-                                  prompt_logprobs=prompt_logprobs(body, output))
+                                  prompt_logprobs=prompt_logprobs(body, output),
+                                  prompt_token_ids=list(prompt_ids) if ids else None)
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """What a reply begins with under ``echo``: the last message's text where the assistant
+    wrote it (a reply continued with continue_final_message), else nothing, as vLLM does."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)  # as chat_messages joins the parts
 
 
 def _thinking(body: ChatCompletionRequest) -> bool:
@@ -100,10 +114,11 @@ class Reader:
     (``--reasoning-parser``), then tool calls read from what follows (the request's tool plan)."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolPlan | None, thinking: bool,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, echoed: str = "") -> None:
         self.reasoning, self.thinking = reasoning, thinking
         self.tools = tools.parser if tools is not None else None
         self.include_reasoning = include_reasoning  # false: the thought is split off and dropped
+        self.echoed = echoed  # the content a reply begins with (echo)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
         reasoning, content = None, text
@@ -112,6 +127,8 @@ class Reader:
         calls = []
         if self.tools is not None:
             content, calls = self.tools.parse(content or "")
+        if self.echoed:
+            content = self.echoed + (content or "")
         message = AssistantMessage(content=content, reasoning_content=reasoning if self.include_reasoning else None,
                                    tool_calls=[c.to_openai() for c in calls])
         return message, "tool_calls" if calls else finish_reason
@@ -179,22 +196,24 @@ def _logprobs(token_ids: list[int], steps: list[dict[int, Logprob]] | None, k: i
     return ChatChoiceLogprobs(content=content)
 
 
-async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch, prompt_len: int,
+async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch, prompt_ids: list[int],
                   logprobs: int | None, reader: Reader) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stops = batch.streams[0].params.stop_strings
 
+    ids = body.return_token_ids
+
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
-              scores: PromptLogprobs | None = None) -> str:
+              scores: PromptLogprobs | None = None, prompt: list[int] | None = None) -> str:
         payload = ChatCompletionChunk(id=batch.base_id, created=created, model=ctx.model_name,
-                                      choices=choices, usage=usage, prompt_logprobs=scores)
+                                      choices=choices, usage=usage, prompt_logprobs=scores, prompt_token_ids=prompt)
         return sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     def roles(scores: PromptLogprobs | None = None) -> Iterator[str]:
-        for i in range(body.n):
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                        scores=scores if i == 0 else None)
+        for i in range(body.n):  # the first chunk carries what belongs to the prompt
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=reader.echoed))],
+                        scores=scores if i == 0 else None, prompt=list(prompt_ids) if ids and i == 0 else None)
 
     # prompt_logprobs come with the first token: then the first chunk, which carries them
     waiting = body.prompt_logprobs is not None
@@ -231,7 +250,7 @@ async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch,
                 sent_tokens[i] = len(o.token_ids)
                 finished[i] = done
                 reasoning, content, calls = streams[i].feed(delta, done)
-                if not (reasoning or content or calls or done or (logprobs is not None and new_ids)):
+                if not (reasoning or content or calls or done or ((logprobs is not None or ids) and new_ids)):
                     continue  # held back by a parser (a tag's first characters)
                 finish = "tool_calls" if done and streams[i].called else o.finish_reason
                 yield chunk([ChatStreamChoice(
@@ -240,8 +259,9 @@ async def _events(ctx: ServerContext, body: ChatCompletionRequest, batch: Batch,
                                        reasoning_content=reasoning or None, tool_calls=calls or None),
                     logprobs=_logprobs(new_ids, new_steps, logprobs, ctx.tokenizer),
                     finish_reason=finish,
+                    token_ids=list(new_ids) if ids else None,
                 )])
     if include_usage:
         completion = sum(len(o.token_ids) for o in last if o is not None)
         latest = batch.streams[0].latest
-        yield chunk([], _usage(prompt_len, completion, latest.num_cached_tokens if latest is not None else 0))
+        yield chunk([], _usage(len(prompt_ids), completion, latest.num_cached_tokens if latest is not None else 0))

@@ -69,6 +69,7 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
     if body.stream:
         return SSEResponse(_events(ctx, body, batch, echoes), on_close=batch.close)
     outputs = await batch.final(request)
+    ids = body.return_token_ids
     choices = []
     for p, output in enumerate(outputs):
         scores = prompt_logprobs(body, output)
@@ -84,6 +85,8 @@ async def create(ctx: ServerContext, body: CompletionRequest, request: Request) 
                 logprobs=logprobs,
                 finish_reason=o.finish_reason,
                 prompt_logprobs=scores,
+                prompt_token_ids=list(output.prompt_token_ids) if ids else None,
+                token_ids=list(o.token_ids) if ids else None,
             ))
     return CompletionResponse(id=batch.base_id, model=ctx.model_name, choices=choices, usage=_usage(outputs))
 
@@ -145,6 +148,7 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
         return sse(payload.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     total = len(batch.streams) * n
+    ids = body.return_token_ids
     sent_chars = [0] * total
     sent_tokens = [0] * total
     offsets = [len(echoes[i // n]) for i in range(total)]
@@ -153,9 +157,12 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
     # the prompt's logprobs (echoed, or prompt_logprobs) come with the first token: the choice's
     # first chunk waits for them
     waiting = [echo_logprobs or body.prompt_logprobs is not None] * total
+    # return_token_ids: the prompt's ids go in the choice's first chunk
+    prompt_ids = [batch.streams[i // n].prompt_token_ids if ids else None for i in range(total)]
     for i in range(total):
         if echoes[i // n] and not echo_logprobs:
-            yield chunk([CompletionChoice(index=i, text=echoes[i // n])])
+            yield chunk([CompletionChoice(index=i, text=echoes[i // n], prompt_token_ids=prompt_ids[i])])
+            prompt_ids[i] = None
     async for changes in batch.updates():
         for p, output in changes:
             stops = batch.streams[p].params.stop_strings
@@ -174,7 +181,8 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
                         offsets[i] = sum(len(t) for t in lps.tokens)
                     scores = prompt_logprobs(body, output)
                     yield chunk([CompletionChoice(index=i, text=echoes[p] if echo_logprobs else "", logprobs=lps,
-                                                  prompt_logprobs=scores)])
+                                                  prompt_logprobs=scores, prompt_token_ids=prompt_ids[i])])
+                    prompt_ids[i] = None
                 limit = len(o.text) if done else len(o.text) - stop_holdback(o.text, stops)
                 delta = o.text[sent_chars[i]:limit] if limit > sent_chars[i] else ""
                 new_ids = o.token_ids[sent_tokens[i]:]
@@ -187,6 +195,8 @@ async def _events(ctx: ServerContext, body: CompletionRequest, batch: Batch, ech
                 sent_chars[i] = max(sent_chars[i], limit)
                 sent_tokens[i] = len(o.token_ids)
                 finished[i] = done
-                yield chunk([CompletionChoice(index=i, text=delta, logprobs=lps, finish_reason=o.finish_reason)])
+                yield chunk([CompletionChoice(index=i, text=delta, logprobs=lps, finish_reason=o.finish_reason,
+                                              prompt_token_ids=prompt_ids[i], token_ids=new_ids if ids else None)])
+                prompt_ids[i] = None
     if include_usage:
         yield chunk([], _usage([s.latest for s in batch.streams]))

@@ -175,6 +175,9 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool | None = Field(
         None, description="add the tokenizer's special tokens (BOS) to the prompt; default: false in chat "
                           "(the template places them), true in completions")
+    return_token_ids: bool = Field(False, description="the prompt's and the output's token ids beside the text "
+                                                    "(vLLM's; streamed: the prompt's in the first chunk, each "
+                                                    "chunk's own)")
     # fields of OpenAI and vLLM that would change the output and that fd does not honour: a
     # value other than the neutral one is refused by name (fd_server.refused)
     use_beam_search: Json = None
@@ -182,7 +185,6 @@ class SamplingFields(BaseModel):
     logits_processors: Json = None
     spaces_between_special_tokens: Json = None
     return_tokens_as_token_ids: Json = None
-    return_token_ids: Json = None
     priority: Json = None
     kv_transfer_params: Json = None
     vllm_xargs: Json = None
@@ -202,15 +204,17 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-class _PromptLogprobsIfAsked(BaseModel):
-    """A response part with a ``prompt_logprobs`` field, left out of the JSON where None: only
-    requests that ask for them get the key, as from vLLM."""
+class _IfAsked(BaseModel):
+    """A response part with vLLM's fields that only a request asking for them gets
+    (``prompt_logprobs``; ``prompt_token_ids`` and ``token_ids`` with ``return_token_ids``),
+    left out of the JSON where None, so that other responses keep OpenAI's shape."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("prompt_logprobs", 0) is None:
-            del out["prompt_logprobs"]
+        for key in ("prompt_logprobs", "prompt_token_ids", "token_ids"):
+            if out.get(key, 0) is None:
+                del out[key]
         return out
 
 
@@ -263,8 +267,10 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Json = None
     web_search_options: Json = None
     verbosity: Json = None
-    echo: Json = None
-    continue_final_message: Json = None
+    continue_final_message: bool = Field(False, description="the model goes on with the last message (vLLM's); "
+                                                           "needs add_generation_prompt false")
+    echo: bool = Field(False, description="the reply begins with the last message's text where that is the "
+                                          "assistant's (vLLM's)")
     chat_template: Json = None
 
 
@@ -299,14 +305,15 @@ class AssistantMessage(BaseModel):
         return out
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_IfAsked):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(_PromptLogprobsIfAsked):
+class ChatCompletionResponse(_IfAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -314,6 +321,7 @@ class ChatCompletionResponse(_PromptLogprobsIfAsked):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's place for the chat endpoint's
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -328,14 +336,15 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_IfAsked):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
-class ChatCompletionChunk(_PromptLogprobsIfAsked):
+class ChatCompletionChunk(_IfAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -343,6 +352,7 @@ class ChatCompletionChunk(_PromptLogprobsIfAsked):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # in the first chunk with a token
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 # -- completions -----------------------------------------------------------------------------
@@ -365,12 +375,15 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_PromptLogprobsIfAsked):
+class CompletionChoice(_IfAsked):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # streamed: in the choice's first chunk
+    # return_token_ids: the prompt's (streamed: in the choice's first chunk) and the output's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

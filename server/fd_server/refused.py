@@ -30,7 +30,6 @@ SHARED: dict[str, Rule] = {
     "logits_processors": (_empty, f"logits_processors {_NOT_SUPPORTED}"),
     "spaces_between_special_tokens": (_off((True,)), f"spaces_between_special_tokens=false {_NOT_SUPPORTED}"),
     "return_tokens_as_token_ids": (_off((False,)), f"return_tokens_as_token_ids {_NOT_SUPPORTED}"),
-    "return_token_ids": (_off((False,)), f"return_token_ids {_NOT_SUPPORTED}"),
     "priority": (_off((0,)), "priority scheduling is not supported: this server schedules first come, first served"),
     "kv_transfer_params": (_empty, f"disaggregated prefill (kv_transfer_params) {_NOT_SUPPORTED}"),
     "vllm_xargs": (_empty, f"vllm_xargs {_NOT_SUPPORTED}"),
@@ -47,8 +46,6 @@ CHAT: dict[str, Rule] = {
     "modalities": (lambda v: v is None or v == ["text"], f"output modalities other than text are {_NOT_SUPPORTED[3:]}"),
     "web_search_options": (_off(()), f"web search {_NOT_SUPPORTED}"),
     "verbosity": (_off(()), f"verbosity {_NOT_SUPPORTED}"),
-    "echo": (_off((False,)), f"echo {_NOT_SUPPORTED} in chat completions"),
-    "continue_final_message": (_off((False,)), f"continue_final_message {_NOT_SUPPORTED}"),
     "chat_template": (_off(()), ("a request may not bring its own chat template: this server uses the model's"
                                 " (or --chat-template)")),
 }
