@@ -160,3 +160,41 @@ def test_unknown_parsers_name_the_choices():
         tool_parser("mistral")
     with pytest.raises(ValueError, match="deepseek_r1, ernie_x1, qwen3"):
         reasoning_parser("granite")
+
+
+def _walked_end(text: str, start: int) -> int:
+    """value_end's answer, character by character (the walk it replaced)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def test_value_end_jumps_to_where_a_walk_ends():
+    """Brackets inside strings, escaped quotes and backslashes, texts cut anywhere (a stream's),
+    trailing text: the same end as walking every character."""
+    from fd_server.parsers.tools import value_end
+
+    rng = random.Random(7)
+    pieces = ['{', '}', '[', ']', '"', '\\"', '\\\\', '\\', 'a', ' ', ':', ',', '"}"', '"\\\\"', '"{["']
+    values = [json.dumps({"q": 'a "quoted" {brace} \\ back', "n": [1, {"x": "]"}]}), '{"a": "\\\\"}']
+    values += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 30))) for _ in range(3000)]
+    for value in values:
+        for cut in {len(value), rng.randint(0, len(value))}:
+            text = "xy" + value[:cut] + " tail"
+            assert value_end(text, 2) == _walked_end(text, 2), text

@@ -334,8 +334,9 @@ def test_sample_leaves_the_logits_untouched_and_handles_no_rows():
 
 
 def test_sample_async_is_sample_and_feeds_the_next_ids():
-    """``sample_async``: ``result()`` is ``sample``'s (the spec's), and ``feed`` writes the
-    sampled tokens into a later step's ids on the device, before the host has read them."""
+    """``sample_async``: ``result()`` is ``sample``'s (the spec's), the same each time it is
+    called, and ``feed`` writes the sampled tokens into a later step's ids on the device,
+    before the host has read them."""
     rng = np.random.default_rng(9)
     logits = logits_like_a_model(rng, 4, 3001)
     batch = mixed_batch(rng, 4, 3001, list(MODES), num_logprobs=2)
@@ -350,6 +351,7 @@ def test_sample_async_is_sample_and_feeds_the_next_ids():
     np.testing.assert_array_equal(result.top_ids, expected.result().top_ids)
     np.testing.assert_allclose(result.logprobs, expected.result().logprobs, **spec.TOLERANCES["sample_async"])
     np.testing.assert_array_equal(fed, expected.feed(np.array([-1, 5, -1, -1, 7]), [0, 2, 3], [3, 0, 1]))
+    assert pending.result() is result  # read by the grammar thread and the engine's: converted once
 
 
 def test_supports_and_registration():

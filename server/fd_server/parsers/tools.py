@@ -61,27 +61,35 @@ class ToolCall:
 _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 
 
+_STRUCTURE = re.compile(r'["{}\[\]]')
+
+
 def value_end(text: str, start: int) -> int:
     """The index just past the JSON object or array starting at ``text[start]``; -1 if it is
-    not closed yet."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
+    not closed yet. A stream scans its text again at every delta, so the scan jumps from one
+    bracket or quote to the next (a regular expression; ``str.find`` within strings) rather
+    than walking every character in Python: a 16,000-character call streamed 4 characters at a
+    time took 1.3 ms a delta walking (``llama3_json``), 0.1 ms jumping."""
+    depth, at = 0, start
+    while (found := _STRUCTURE.search(text, at)) is not None:
+        at = found.end()
+        c = found.group()
+        if c == '"':  # skip the string: to its closing quote, past escaped characters
+            while True:
+                quote = text.find('"', at)
+                if quote < 0:
+                    return -1
+                escape = text.find("\\", at, quote)
+                if escape < 0:
+                    at = quote + 1
+                    break
+                at = escape + 2
         elif c in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1
+                return at
     return -1
 
 

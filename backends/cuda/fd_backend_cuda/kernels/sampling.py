@@ -646,6 +646,7 @@ class DeviceSample:
 
     def __init__(self, packed: torch.Tensor, k: int) -> None:
         self.packed, self.k = packed, k
+        self._output: SampleOutput | None = None
         self.done: torch.cuda.Event | None = None
         if packed.is_cuda:
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -659,6 +660,12 @@ class DeviceSample:
         return ids.index_copy_(0, dest, self.packed[:, 0].index_select(0, src))
 
     def result(self) -> SampleOutput:
+        # the grammar thread and the engine's thread both read a deferred step: convert once
+        if self._output is None:
+            self._output = self._convert()
+        return self._output
+
+    def _convert(self) -> SampleOutput:
         if self.done is not None:
             self.done.synchronize()
         host, k = self.host.numpy(), self.k
