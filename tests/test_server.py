@@ -789,8 +789,6 @@ def test_chat_validation_errors_are_400(http, body, param):
     ({"function_call": "auto"}, "function_call"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt is true by default
-    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"logits_processors": ["pkg.Proc"]}, "logits_processors"),
 ])

@@ -249,5 +249,7 @@ def test_continue_final_message_drops_whitespace_the_template_stripped():
 ])
 def test_continue_final_message_refusals_name_the_problem(messages, kwargs, match):
     template = kwargs.pop("template", "{% for m in messages %}{{ m.content }}|{% endfor %}")
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as info:
         render_chat_template(template, messages, continue_final_message=True, **kwargs)
+    # the flag's conflict names the flag; the rest are about the messages (the server's default)
+    assert info.value.param == ("continue_final_message" if "add_generation_prompt" in kwargs else None)

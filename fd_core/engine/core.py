@@ -590,10 +590,6 @@ class EngineCore:
         tokens, logprobs, ranks = o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist()
         top_ids, top_logprobs = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
-        if ended is None and self.grammars is not None:
-            # sequences that ended while this step computed have no grammar left
-            ended = self.grammars.advance([s.grammar if s.status is not Status.FINISHED else None
-                                           for s in sampled], tokens)
         for row, seq in enumerate(sampled):
             token = tokens[row]
             if slots is None:
@@ -615,7 +611,10 @@ class EngineCore:
                     output.prefill_time = time.monotonic() - seq.scheduled_at
                 if seq.prompt_scored is not None:
                     output.prompt_logprobs = self._prompt_logprobs(seq)
-            grammar = ended[row] if ended is not None else None
+            if ended is not None:  # advanced on the grammar thread
+                grammar = ended[row]
+            else:
+                grammar = None if seq.grammar is None else seq.grammar.advance(token)
             if (grammar or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count, grammar)
@@ -626,7 +625,7 @@ class EngineCore:
     def _check_finish(self, seq: Sequence, token: int, output: CoreOutput, count: int,
                       grammar: str | None = None) -> None:
         """``token`` is the ``count``-th of ``seq``'s output; ``grammar``: why its grammar ends
-        the sequence here, if it does (``GrammarMatchers.advance``)."""
+        the sequence here, if it does (``Grammar.advance``)."""
         p = seq.params
         reason = None
         if grammar is not None:

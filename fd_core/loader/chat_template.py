@@ -112,7 +112,8 @@ def render_chat_template(
         raise InvalidRequestError("A chat request needs at least one message.")
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: set "
-                                  "add_generation_prompt to false to continue the last message.")
+                                  "add_generation_prompt to false to continue the last message.",
+                                  param="continue_final_message")
     cleaned = []
     for message in messages:
         if not isinstance(message, Mapping):

@@ -96,12 +96,9 @@ async def create(ctx: ServerContext, body: ChatCompletionRequest, request: Reque
 def _echoed(body: ChatCompletionRequest) -> str:
     """What a reply begins with under ``echo``: the last message's text where the assistant
     wrote it (a reply continued with continue_final_message), else nothing, as vLLM does."""
-    last = body.messages[-1]
-    if not body.echo or last.role != "assistant" or last.content is None:
+    if not body.echo or body.messages[-1].role != "assistant":
         return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "\n".join(part.text or "" for part in last.content)  # as chat_messages joins the parts
+    return P.chat_messages(body)[-1]["content"]  # the text the template saw
 
 
 def _thinking(body: ChatCompletionRequest) -> bool:

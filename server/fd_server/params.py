@@ -147,9 +147,6 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
     for name in ("documents", "reasoning_effort"):
         if getattr(request, name) is not None:
             kwargs.setdefault(name, getattr(request, name))
-    if request.continue_final_message and request.add_generation_prompt:
-        raise bad_request("continue_final_message needs add_generation_prompt set to false: the model goes on with "
-                          "the last message instead of starting a new one.", param="continue_final_message")
     if "chat_template" in kwargs:
         # a template is code: clients pick variables of the model's template, not a new one
         raise bad_request("chat_template_kwargs may not replace the chat template.", param="chat_template_kwargs")
@@ -159,7 +156,7 @@ def chat_prompt(request: ChatCompletionRequest, tokenizer: Any, max_model_len: i
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message, **kwargs)
     except InvalidRequestError as exc:
-        raise bad_request(str(exc), param="messages") from exc
+        raise bad_request(str(exc), param=exc.param or "messages") from exc
     except Exception as exc:  # a template failing on what this conversation holds
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from exc
     if not isinstance(text, str):

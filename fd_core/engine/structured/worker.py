@@ -33,7 +33,9 @@ log = logging.getLogger("fd.engine")
 
 class Advance:
     """The grammars of a step's rows advanced by its tokens: ``wait()`` returns, per row, why
-    the row's sequence ends there (``GrammarMatchers.advance``: ``"stop"``, ``"abort"``) or None."""
+    the row's sequence ends there (``Grammar.advance``: ``"stop"``, ``"abort"``) or None. Row
+    by row: llguidance's ``consume_token_par`` (one call without the GIL) took 0.39 ms a step
+    for 32 rows against 0.16 ms (H100 host, SmolLM2), and the next fill waits for it."""
 
     def __init__(self, grammars: list[Grammar | None], pending: PendingSample, worker: MaskWorker) -> None:
         self.grammars, self.pending, self.worker = grammars, pending, worker
@@ -41,7 +43,8 @@ class Advance:
         self.done = threading.Event()
 
     def run(self) -> None:
-        self.ended = self.worker.matchers.advance(self.grammars, self.pending.result().token_ids.tolist())
+        tokens = self.pending.result().token_ids.tolist()
+        self.ended = [None if g is None else g.advance(t) for g, t in zip(self.grammars, tokens)]
 
     def wait(self) -> list[str | None]:
         self.done.wait()
