@@ -16,6 +16,16 @@ API_KEY = "e2e-key"
 START_TIMEOUT_S = 180
 
 
+async def leave_after(stream, chunks: int = 3) -> None:
+    """Read ``chunks`` chunks of a streamed response, then hang up (a client that leaves early)."""
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == chunks:
+            break
+    await stream.close()
+
+
 def plain_samples(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -358,3 +358,62 @@ def test_tokens_between_is_a_slice_of_tokens(start, end):
     seq = make_seq(0, 6)
     seq.output_token_ids = [100, 101, 102]
     assert seq.tokens_between(start, end) == seq.tokens[start:end]
+
+
+def test_drafts_take_spare_budget_and_free_blocks_only():
+    """A decoding sequence's drafts (speculative decoding) join its step as far as the budget
+    leaves a token for every running sequence behind it and free blocks hold them: they never
+    preempt. Rejected drafts' blocks go back (roll_back); a proposer that keeps keys and values
+    in the blocks holds back their publication until it has computed them."""
+    pool = BlockPool(num_blocks=7, block_size=4, enable_caching=True)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=6)
+    a, b, c = make_seq(0, 4, max_tokens=20), make_seq(1, 4, max_tokens=20), make_seq(2, 4, max_tokens=20)
+    for seq in (a, b, c):
+        sched.add(seq)
+    run_step(sched)  # a and b prefill (budget 6: a whole, b 2 tokens)
+    run_step(sched)  # a decodes, b finishes its prompt, c starts
+    assert a.num_computed == 5 and b.num_computed == 4
+    a.draft_token_ids = [11, 12, 13, 14, 15]
+    out = sched.schedule()
+    s = out.scheduled[0]
+    # budget 6, two running sequences behind a: a takes 1 + 3 drafts, leaving one token each
+    assert s.seq is a and s.drafts == [11, 12, 13] and s.num_new == 4 and s.samples and s.num_rows == 4
+    assert [x.num_new for x in out.scheduled[1:]] == [1, 1] and out.num_rows == 6
+    assert len(a.block_table) == 3  # positions 5..8: a third block
+    s.rejected = 2  # the step accepted one draft: a's last token, 11, then the bonus
+    sched.advance(out)
+    a.output_token_ids += [11, 16]
+    assert a.num_computed == 7 and a.num_tokens == 8
+    sched.roll_back(a)
+    assert len(a.block_table) == 2  # slots 8.. held rejected drafts only
+    assert a.num_committed_blocks == 1  # the first block; the second is not full of computed tokens
+    # free blocks only: with none free, drafts are dropped (a's own token fits its last block)
+    for seq in (b, c):
+        sched.finish(seq)
+    taken = pool.take_blocks(pool.num_free)
+    a.draft_token_ids = [1, 2]
+    out = sched.schedule()
+    assert not out.preempted and out.scheduled[0].drafts == [] and out.scheduled[0].num_new == 1
+    assert len(taken) == 4  # 6 usable blocks, a holds 2
+
+
+def test_a_proposer_with_its_own_cache_holds_back_publication():
+    pool = BlockPool(num_blocks=8, block_size=4, enable_caching=True)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    sched.proposer_kv = True
+    a = make_seq(0, 9)
+    sched.add(a)
+    out = sched.schedule()
+    a.proposer_computed = 5  # its proposer has computed one block's worth
+    sched.advance(out)
+    assert a.num_computed == 9 and a.num_committed_blocks == 1
+    a.proposer_computed = 9
+    out = sched.schedule()
+    a.output_token_ids.append(3)
+    sched.advance(out)
+    assert a.num_committed_blocks == 2
+    # a sequence admitted on the cached blocks takes its proposer's part of them too
+    b = make_seq(1, 12)
+    sched.add(b)
+    sched.schedule()
+    assert b.num_computed == b.proposer_computed == 8

@@ -39,7 +39,7 @@ if not _serve_available():
     pytest.skip("fd serve or fd_core.engine.client is not there yet", allow_module_level=True)
 
 from tests import checkpoints  # noqa: E402
-from tests.servers import API_KEY, Server  # noqa: E402
+from tests.servers import API_KEY, Server, leave_after  # noqa: E402
 from tests.plugins.vendors import VENDOR_BACKENDS, require_installed  # noqa: E402
 
 NAME = "tiny-llama"
@@ -189,12 +189,7 @@ def test_disconnects_free_the_kv_cache(server):
         stream = await client.chat.completions.create(
             model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=200, stream=True,
             extra_body={"ignore_eos": True})
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 3:
-                break
-        await stream.close()
+        await leave_after(stream)
 
     async def give_up(prompt: str) -> None:
         # a non-streamed request whose client stops waiting

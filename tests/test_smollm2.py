@@ -239,3 +239,24 @@ def test_requantized_perplexity_stays_near_the_float_load(llm):
         value, _ = perplexity(quantized, ids, window=1024)
         print(f"{method}: perplexity {value:.4f} ({value / base - 1:+.2%})")
         assert value <= base * bound, f"{method}: perplexity {value:.4f} against {base:.4f}"
+
+
+QUOTE = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+         "polished the great lens, and watched the ships pass safely beyond the rocks.")
+
+
+def test_ngram_speculation_gives_the_same_greedy_text(llm):
+    """n-gram proposals on replies that quote their prompt: the same tokens as without
+    speculation, in fewer steps, most drafts accepted."""
+    spec = LLM(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    chats = [[{"role": "user", "content": f"Repeat this passage exactly: {QUOTE}"}],
+             [{"role": "user", "content": f"Copy the following text word for word.\n\n{QUOTE}"}],
+             [{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(chats, params, use_tqdm=False)]
+    assert got == want
+    stats = spec.engine.stats
+    assert stats["spec_accepted_tokens"] > 0.5 * stats["spec_draft_tokens"] > 0
+    assert stats["steps"] < 0.6 * sum(map(len, want))  # several tokens a step

@@ -68,3 +68,23 @@ def test_chunked_prefill_where_declared(fd_backend, tiny):
     folder, prompts, expected = tiny
     got = _generate(fd_backend, folder, prompts, enable_chunked_prefill=True, max_num_batched_tokens=16)
     _check(fd_backend, got, expected, "chunked prefill")
+
+
+def test_speculative_methods_where_declared(fd_backend, tiny):
+    """Each declared speculative method: drafts verified in multi-token decode rows (their
+    tokens sampled by the backend's ``sample``) leave the greedy continuation as it was."""
+    fd_backend.require()
+    methods = sorted(fd_backend.capabilities.speculative_methods & {"ngram"})
+    if not methods:
+        pytest.skip("no speculative method is declared (--speculative-config is refused at start-up)")
+    folder, prompts, expected = tiny
+    for method in methods:
+        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+        from fd_core import LLM, SamplingParams
+
+        llm = LLM(str(folder), device=fd_backend.device, runtime=fd_backend.runtime, dtype=fd_backend.dtype,
+                  max_model_len=128, max_num_seqs=4, num_kv_blocks=48, speculative_config=config)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.stats["spec_draft_tokens"] > 0, f"{method}: no draft was verified"
+        _check(fd_backend, got, expected, f"speculative decoding ({method})")

@@ -131,19 +131,23 @@ class BlockPool:
             self._ref(b)
         seq.block_table = list(hits)
         seq.num_committed_blocks = len(hits)
-        seq.num_computed = len(hits) * self.block_size
+        # a cached block was published once every model that keeps keys and values in it had
+        # computed it (the speculative proposer's layers too)
+        seq.num_computed = seq.proposer_computed = len(hits) * self.block_size
         self.grow(seq, num_tokens)
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         self.queried_tokens += num_tokens
         self.hit_tokens += num_hit
 
-    def commit(self, seq: Sequence) -> None:
-        """Publish ``seq``'s newly computed full blocks in the prefix cache.
+    def commit(self, seq: Sequence, computed: int | None = None) -> None:
+        """Publish ``seq``'s newly computed full blocks in the prefix cache: those within its
+        first ``computed`` tokens (default: ``num_computed``).
 
         A block whose content another block already publishes stays private: the first one
         keeps serving hits, and this one is freed like any uncached block."""
-        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        computed = seq.num_computed if computed is None else computed
+        full = min(computed // self.block_size, len(seq.block_table))
         if not self.enable_caching or full <= seq.num_committed_blocks:
             return
         for i, h in enumerate(seq_block_hashes(seq, full, self.block_size)[seq.num_committed_blocks:],
@@ -164,6 +168,13 @@ class BlockPool:
         if need > self.num_free:
             raise RuntimeError("block pool exhausted; the scheduler should have checked")
         seq.block_table.extend(self._take() for _ in range(need))
+
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s trailing blocks past the first ``num_tokens`` tokens' (slots a
+        speculative step wrote for drafts that were rejected). They were never published."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     def take_blocks(self, count: int) -> list[int]:
         """``count`` fresh blocks, referenced once, for a caller that fills them itself
@@ -202,12 +213,7 @@ class BlockPool:
             if self.blocks[b].ref_count < count:
                 raise RuntimeError(f"block {b} freed more often than it was taken")
         for b in reversed(seq.block_table):
-            block = self.blocks[b]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[b] = None
-                if block.hash is None:
-                    self._free.move_to_end(b, last=False)  # worthless: reuse it first
+            self._release(b)
         seq.block_table = []
         seq.num_committed_blocks = 0
 
@@ -228,6 +234,14 @@ class BlockPool:
             self.evictions += 1
         block.ref_count = 1
         return b
+
+    def _release(self, b: int) -> None:
+        block = self.blocks[b]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[b] = None
+            if block.hash is None:
+                self._free.move_to_end(b, last=False)  # worthless: reuse it first
 
     def _ref(self, b: int) -> None:
         block = self.blocks[b]

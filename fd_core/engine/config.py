@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fd_core.engine.sampling_params import MAX_LOGPROBS
+from fd_core.engine.speculative.config import SpeculativeConfig
 from fd_core.errors import ConfigError
 from fd_core.interfaces import Capabilities
 from fd_core.quantization.kv_cache import KV_QUANTIZED
@@ -79,6 +80,9 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs a request may ask for (--max-logprobs)
     # no tokenizer: prompts are token ids and outputs carry token ids only (vLLM's flag)
     skip_tokenizer_init: bool = False
+    # speculative decoding (--speculative-config): its JSON text, a dict of the same keys, or the
+    # parsed SpeculativeConfig that validate() makes of either; None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     @property
     def cache_dtype(self) -> str:
@@ -143,6 +147,10 @@ class EngineConfig:
                 raise ConfigError(f"--chat-template: {e}") from None
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ConfigError("--async-scheduling: speculative decoding (--speculative-config) needs each step's "
+                              "accepted tokens before it schedules the next; leave asynchronous scheduling off")
 
     def check_against(self, backend: str, caps: Capabilities,
                       other_runtimes: dict[str, Capabilities] | None = None,
@@ -206,6 +214,8 @@ class EngineConfig:
             raise ConfigError(f"--long-prefill-token-threshold caps a prompt's chunks, but {why}")
         if self.enable_prefix_caching is None:
             self.enable_prefix_caching = caps.prefix_caching
+        if self.speculative_config is not None:
+            self.speculative_config.check_against(backend, caps.speculative_methods)
 
     def resolve_budget(self, max_model_len: int, platform_default: int | None = None,
                        platform_threshold: int | None = None) -> None:

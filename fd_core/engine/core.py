@@ -26,10 +26,12 @@ from fd_core.engine.config import (
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
 from fd_core.engine.loading import describe, load_runner, open_checkpoint
-from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored
+from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored, StepResult
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
+from fd_core.engine.speculative.proposer import Proposer, make_proposer
+from fd_core.engine.speculative.verify import accepted
 from fd_core.engine.structured.matchers import GrammarMatchers
 from fd_core.engine.structured.worker import Advance, MaskWorker
 from fd_core.engine.swap import SwapSpace
@@ -271,10 +273,22 @@ class EngineCore:
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
                               f"for this model (fd doctor lists its ops)")
+        self.proposer: Proposer | None = None
+        spec = config.speculative_config
+        if spec is not None:
+            self.proposer = make_proposer(spec, self.max_model_len)
+            self.scheduler.proposer_kv = self.proposer.holds_kv
+            if self.async_scheduling:  # validate() refused it asked for: it was the default
+                startup.info("speculative decoding (%s): asynchronous scheduling is off, since a step's drafts "
+                             "come from the tokens the step before accepted", spec.method)
+                self.async_scheduling = False
         # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
         # skip some, recomputation after preemption repeats some)
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
                       "preemptions": 0}
+        if spec is not None:  # vLLM's spec_decode counters: sequence-steps with drafts, drafts, accepted
+            self.stats.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0,
+                              spec_accepted_per_pos=[0] * spec.num_speculative_tokens)
         startup.info("engine ready in %.2f s: %s on %s, max_model_len %d, %d KV-cache blocks",
                      time.perf_counter() - start, config.model, self.platform.name, self.max_model_len, num_blocks)
 
@@ -305,8 +319,12 @@ class EngineCore:
         c = self.config
         utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         blocks = []
+        # the most rows a step samples: one per sequence, and one per draft it verifies
+        rows = c.max_num_seqs
+        if c.speculative_config is not None:
+            rows = min(c.max_num_batched_tokens, rows * (1 + c.speculative_config.num_speculative_tokens))
         for free, total, peak in self.executor.profile_memory(
-            c.max_num_batched_tokens, c.max_num_seqs, self.max_model_len, c.cache_dtype
+            c.max_num_batched_tokens, rows, self.max_model_len, c.cache_dtype
         ):
             budget = total * utilization - (total - free) - peak
             blocks.append(int(budget // per_block))
@@ -461,6 +479,8 @@ class EngineCore:
         score = bool(self._scoring)
         if not self.async_scheduling:
             result = self.executor.execute(out.scheduled, grammars.fill if grammars else None, score)
+            if self.proposer is not None:
+                return self._speculative(out, parents, result)
             self._advance(out, parents)
             self._keep_scores(result.scored, result.prompt)
             return self._apply(result.sampled, result.output)
@@ -504,6 +524,56 @@ class EngineCore:
             outputs += self._read(previous)
         self._advance(out, parents)
         return outputs
+
+    def _speculative(self, out: SchedulerOutput, parents: list[ScheduledSeq], result: StepResult) -> list[CoreOutput]:
+        """A step with a proposer: each sequence that verified drafts keeps the rows up to the
+        first draft the target rejected (``speculative/verify.py``) and gives the rejected
+        drafts' blocks back; the step's tokens go into the sequences before the proposer runs
+        (its drafts follow them) and before the step's blocks are published (a block's tokens
+        are the accepted ones); then each row is applied as a sampled token."""
+        sampled, o = result.sampled, result.output
+        decoding = [s.seq for s in out.scheduled if s.samples]  # before the step's tokens lengthen them
+        keep = None
+        if o is not None and any(s.drafts for s in out.scheduled):
+            keep = self._verify(out, o.token_ids)
+            sampled = [seq for seq, kept in zip(sampled, keep) if kept]
+            o = SampleOutput(o.token_ids[keep], o.logprobs[keep], o.ranks[keep], o.top_ids[keep], o.top_logprobs[keep])
+        slots = []
+        if o is not None:
+            for seq, token in zip(sampled, o.token_ids.tolist()):
+                slots.append(len(seq.output_token_ids))
+                seq.output_token_ids.append(token)
+        if keep is not None:
+            for s in out.scheduled:
+                if s.rejected:
+                    self.scheduler.roll_back(s.seq)
+        self.proposer.propose(out.scheduled, decoding)
+        self._advance(out, parents)
+        self._keep_scores(result.scored, result.prompt)
+        return self._apply(sampled, o, slots)
+
+    def _verify(self, out: SchedulerOutput, tokens: np.ndarray) -> np.ndarray:
+        """Which rows of the step's sample hold a token to emit; sets each speculating
+        sequence's ``rejected`` and counts the drafts (``stats``)."""
+        starts, spec, row = [], [], 0
+        for s in out.scheduled:
+            if s.drafts and s.samples:
+                starts.append(row)
+                spec.append(s)
+            row += s.num_rows
+        good = accepted(tokens, np.asarray(starts, dtype=np.int64), [s.drafts for s in spec])
+        keep = np.ones(row, dtype=bool)
+        per_pos = self.stats["spec_accepted_per_pos"]
+        for s, start, a in zip(spec, starts, good.tolist()):
+            k = len(s.drafts)
+            keep[start + a + 1 : start + k + 1] = False
+            s.rejected = k - a
+            for j in range(a):
+                per_pos[j] += 1
+        self.stats["spec_drafts"] += len(spec)
+        self.stats["spec_draft_tokens"] += sum(len(s.drafts) for s in spec)
+        self.stats["spec_accepted_tokens"] += int(good.sum())
+        return keep
 
     def _land(self) -> list[CoreOutput]:
         """Read and apply the step in flight, taking it out of flight."""
@@ -595,8 +665,8 @@ class EngineCore:
             if slots is None:
                 seq.output_token_ids.append(token)
                 count = len(seq.output_token_ids)
-            elif seq.status is Status.FINISHED:  # it ended (or was aborted) while this step computed
-                continue
+            elif seq.status is Status.FINISHED:  # it ended (or was aborted) while this step computed,
+                continue  # or on an earlier row of this step (speculative decoding)
             else:
                 seq.output_token_ids[slots[row]] = token
                 count = slots[row] + 1

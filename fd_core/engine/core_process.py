@@ -118,6 +118,12 @@ class Stats(msgspec.Struct, array_like=True):
     swapped_out_total: int = 0  # preemptions by swap to host memory
     recomputed_total: int = 0  # preemptions by recompute
     num_swapped: int = 0  # sequences whose KV cache is in host memory now
+    # speculative decoding (vLLM's spec_decode counters): steps of a sequence that verified
+    # drafts, the drafts, those accepted, and those accepted per position (empty: speculation off)
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -238,6 +244,9 @@ def _stats(core) -> Stats:
         prefix_cache_evictions_total=int(c["prefix_cache_evictions"]),
         swapped_out_total=int(c["swapped_out"]), recomputed_total=int(c["recomputed"]),
         num_swapped=int(c["num_swapped"]),
+        spec_drafts_total=s.get("spec_drafts", 0), spec_draft_tokens_total=s.get("spec_draft_tokens", 0),
+        spec_accepted_tokens_total=s.get("spec_accepted_tokens", 0),
+        spec_accepted_per_pos=list(s.get("spec_accepted_per_pos", ())),
     )
 
 

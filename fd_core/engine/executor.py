@@ -43,6 +43,7 @@ from fd_core.engine.model_runner import (
     Scored,
     StepInputs,
     StepResult,
+    drafts_ahead,
     prepare_inputs,
     sampling_batch,
 )
@@ -247,7 +248,8 @@ class Executor:
                      ) -> tuple[StepInputs, list[Sequence], SamplingBatch | None, Scored]:
         inputs, sampled = prepare_inputs(scheduled, self.block_size)
         scored = inputs.score_prompts(scheduled) if score else []
-        return inputs, sampled, sampling_batch(sampled, self.eos_token_ids) if sampled else None, scored
+        batch = sampling_batch(sampled, self.eos_token_ids, drafts_ahead(scheduled)) if sampled else None
+        return inputs, sampled, batch, scored
 
     def execute(self, scheduled: list[ScheduledSeq], fill: Fill | None = None, score: bool = False) -> StepResult:
         """Run a step and read its tokens. ``fill(sampled, batch)`` completes the sampling

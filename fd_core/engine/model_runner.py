@@ -123,7 +123,9 @@ class StepInputs:
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
     scheduled sequence whose step reaches its end, followed by the forks the scheduler seated
-    with it (``ScheduledSeq.forks``: they sample from the same row, each with its own seed).
+    with it (``ScheduledSeq.forks``: they sample from the same row, each with its own seed). A
+    sequence verifying drafts (``ScheduledSeq.drafts``) computes them after its last token and
+    samples a row at each of those positions: it appears once per row.
 
     Built with one Python pass over the sequences and array operations after it: at a few
     hundred sequences per step this runs every step, between two forwards."""
@@ -143,8 +145,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
         ids = np.fromiter((s.seq.token_at(s.seq.num_computed) for s in scheduled), dtype=np.int64, count=num_seqs)
     else:
         ids = np.fromiter(itertools.chain.from_iterable(
-            s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new) for s in scheduled),
-            dtype=np.int64, count=num_tokens)
+            s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts)) + s.drafts
+            for s in scheduled), dtype=np.int64, count=num_tokens)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     positions = context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token])
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
@@ -153,6 +155,11 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
     for i, s in enumerate(scheduled):
         if s.samples:
             row = int(query_start_loc[i + 1]) - 1
+            if s.drafts:  # a row after its last token and after each draft
+                k = len(s.drafts)
+                sampled += [s.seq] * (k + 1)
+                rows += range(row - k, row + 1)
+                continue
             sampled.append(s.seq)
             rows.append(row)
             for fork in s.forks:
@@ -359,8 +366,24 @@ def join_outputs(parts: list[SampleOutput]) -> SampleOutput:
                           for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")))
 
 
-def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingBatch:
-    """The host-side sampling parameters of the sequences that sample, one row each."""
+def drafts_ahead(scheduled: list[ScheduledSeq]) -> list[list[int]] | None:
+    """Per logit row of ``prepare_inputs``, the drafts its sequence's output is taken to have
+    before the token the row samples (the row after its ``j``-th draft samples as if the
+    ``j`` drafts were output: its step index, penalties and suppression); None where the step
+    verifies no draft."""
+    if not any(s.drafts for s in scheduled):
+        return None
+    ahead: list[list[int]] = []
+    for s in scheduled:
+        if s.samples:
+            ahead += [s.drafts[:j] for j in range(len(s.drafts) + 1)] + [[] for _ in s.forks]
+    return ahead
+
+
+def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
+                   ahead: list[list[int]] | None = None) -> SamplingBatch:
+    """The host-side sampling parameters of the sequences that sample, one row each;
+    ``ahead`` (``drafts_ahead``): the drafts each row samples after."""
     params = [s.params for s in seqs]
     first = params[0] if params else None
     shared = bool(params) and all(p is first for p in params)  # LLM.generate's one SamplingParams for all
@@ -372,14 +395,16 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
 
     penalised = first.penalised if shared else any(p.penalised for p in params)
     biased = first.biased if shared else any(p.biased for p in params)
+    outputs = [s.output_token_ids for s in seqs] if ahead is None else [
+        s.output_token_ids + extra if extra else s.output_token_ids for s, extra in zip(seqs, ahead)]
     suppress = []
-    for seq in seqs:
+    for seq, output in zip(seqs, outputs):
         banned = _EMPTY
         # min_tokens: the ways a sequence could end are banned until it has produced enough
-        if len(seq.output_token_ids) < seq.params.min_tokens:
+        if len(output) < seq.params.min_tokens:
             banned = np.union1d(eos_token_ids, np.array(seq.params.stop_token_ids or [], dtype=np.int64))
         if seq.bad_words:
-            banned = np.union1d(banned, bad_words.banned(seq.bad_words, seq.output_token_ids))
+            banned = np.union1d(banned, bad_words.banned(seq.bad_words, output))
         suppress.append(banned)
     allowed = None
     if any(s.allowed_tokens is not None for s in seqs):
@@ -398,9 +423,9 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray) -> SamplingB
         frequency_penalty=col("frequency_penalty", np.float32),
         repetition_penalty=col("repetition_penalty", np.float32),
         seeds=np.array([s.seed for s in seqs], dtype=np.int64),
-        steps=np.array([len(s.output_token_ids) for s in seqs], dtype=np.int64),
+        steps=np.fromiter(map(len, outputs), dtype=np.int64, count=len(seqs)),
         prompt_token_ids=[np.asarray(s.prompt_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
-        output_token_ids=[np.asarray(s.output_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
+        output_token_ids=[np.asarray(o, dtype=np.int64) if penalised else _EMPTY for o in outputs],
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
         allowed_token_bitmask=allowed,

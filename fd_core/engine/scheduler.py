@@ -56,15 +56,26 @@ _by_seq_arrival = operator.attrgetter("seq.arrival")
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new: int  # tokens computed this step, starting at seq.num_computed
+    # tokens computed this step, starting at seq.num_computed: its drafts, if any, included
+    num_new: int
     # forks of ``seq`` seated this step: each samples its first token from this step's row of
     # ``seq`` (with its own seed), then shares ``seq``'s blocks (Scheduler.fork)
     forks: list[Sequence] = field(default_factory=list)
+    # speculative decoding: the proposed tokens this step computes after the sequence's last
+    # token, each sampled a row of its own (engine/speculative/verify.py); after the step, how
+    # many of them the target rejected (their keys and values are not kept)
+    drafts: list[int] = field(default_factory=list)
+    rejected: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence and so samples its next token."""
-        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+        return self.seq.num_computed + self.num_new - len(self.drafts) == self.seq.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Rows it samples: one (a row per draft more), one per fork, or none mid-prompt."""
+        return (1 + len(self.drafts)) * self.samples + len(self.forks)
 
 
 @dataclass
@@ -86,8 +97,9 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        """Rows the step samples: one per scheduled sequence that reaches its end, one per fork."""
-        return sum(s.samples + len(s.forks) for s in self.scheduled)
+        """Rows the step samples: one per scheduled sequence that reaches its end (and one per
+        draft it verifies), one per fork."""
+        return sum(s.num_rows for s in self.scheduled)
 
 
 class Scheduler:
@@ -102,6 +114,9 @@ class Scheduler:
         # 0: no cap (and none without chunked prefill: a prompt is then computed whole)
         self.long_prefill_token_threshold = (long_prefill_token_threshold or 0) if chunked_prefill else 0
         self.swap = swap
+        # a proposer with a model of its own (draft, MTP) keeps keys and values in the same blocks:
+        # a block joins the prefix cache once both have computed it (Sequence.proposer_computed)
+        self.proposer_kv = False
         self.waiting: list[Sequence] = []  # by arrival
         self.running: list[Sequence] = []
         self.num_swapped_out = 0
@@ -162,9 +177,11 @@ class Scheduler:
                     continue
                 self.pool.grow(seq, target)
             s = ScheduledSeq(seq, num_new)
+            if seq.draft_token_ids and remaining == 1:
+                self._add_drafts(s, budget - 1 - len(queue))
             scheduled.append(s)
             kept.append(seq)
-            budget -= num_new
+            budget -= s.num_new
             if limit and remaining > limit:
                 fewest = remaining
             if seq.forks and num_new == remaining:  # the end of its prompt: seat its forks
@@ -192,6 +209,19 @@ class Scheduler:
         if limit and budget > 0:
             budget = self._give_back(out, budget, held)
         return out
+
+    def _add_drafts(self, s: ScheduledSeq, spare: int) -> None:
+        """Let a decoding sequence verify its proposed tokens this step, as many as ``spare``
+        tokens of budget allow (what is left once every running sequence still to be
+        scheduled has its one token) and free blocks hold: drafts never preempt."""
+        seq = s.seq
+        target = seq.num_computed + s.num_new
+        room = (len(seq.block_table) + self.pool.num_free - self._reserved) * self.pool.block_size - target
+        k = min(len(seq.draft_token_ids), spare, room)
+        if k > 0:
+            self.pool.grow(seq, target + k)
+            s.drafts = seq.draft_token_ids[:k]
+            s.num_new += k
 
     def _give_back(self, out: SchedulerOutput, budget: int, held: list[Sequence]) -> int:
         """Budget admission left unused goes to the sequences the threshold held back (capped,
@@ -280,23 +310,31 @@ class Scheduler:
             seq.status = Status.SWAPPED
             self.num_swapped_out += 1
         else:
-            seq.num_computed = 0
+            seq.num_computed = seq.proposer_computed = 0
             seq.status = Status.WAITING
             self.num_recomputed += 1
+        seq.draft_token_ids = []
         self.pool.free(seq)
         seq.num_preemptions += 1
         out.preempted.append(seq)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: its tokens are computed, full blocks join the prefix cache."""
-        block_size, commit = self.pool.block_size, self.pool.enable_caching
+        """Record that the step ran: its tokens are computed (less the drafts it rejected), full
+        blocks join the prefix cache."""
+        block_size, commit, proposer = self.pool.block_size, self.pool.enable_caching, self.proposer_kv
         for s in out.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:  # ended on the previous step's token while this one ran
                 continue
-            seq.num_computed += s.num_new
-            if commit and seq.num_computed // block_size > seq.num_committed_blocks:  # a block filled up
-                self.pool.commit(seq)
+            seq.num_computed += s.num_new - s.rejected
+            computed = min(seq.num_computed, seq.proposer_computed) if proposer else seq.num_computed
+            if commit and computed // block_size > seq.num_committed_blocks:  # a block filled up
+                self.pool.commit(seq, computed)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """After a step that rejected some of ``seq``'s drafts: release the blocks that held
+        only rejected tokens' slots (no token of the sequence lies in them)."""
+        self.pool.shrink(seq, seq.num_tokens)
 
     # -- forks and endings -----------------------------------------------------------------
 
@@ -319,6 +357,8 @@ class Scheduler:
             if made is None:  # its block was promised when the step was scheduled
                 raise RuntimeError("no block for a seated fork's copy; this is a bug in fd")
             copies.extend(made)
+            # the copied block may hold the parent's first token in the proposer's layers: not the child's
+            child.proposer_computed = min(parent.proposer_computed, parent.num_computed)
             child.status = Status.RUNNING
             self.running.append(child)
         parent.forks = []

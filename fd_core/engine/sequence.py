@@ -67,6 +67,11 @@ class Sequence:
     # not asked (and for a request's forks: the first sequence scores the prompt for all)
     prompt_scored: int | None = None
     prompt_scores: list[Any] = field(default_factory=list, repr=False)  # what the steps computed, until sent
+    # speculative decoding (engine/speculative): the tokens proposed to follow its output, which
+    # its next step verifies; and how many of its leading tokens the proposer's own model (a
+    # draft model, MTP layers) holds keys and values for in its cache layers
+    draft_token_ids: list[int] = field(default_factory=list)
+    proposer_computed: int = 0
 
     @property
     def owes_prompt_logprobs(self) -> bool:

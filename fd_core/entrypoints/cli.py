@@ -223,6 +223,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default: the model's own)")
     p.add_argument("--chat-template", default=None,
                    help="a chat template file, or the template itself, used instead of the model's")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\': '
+                        "method ngram (prompt lookup: prompt_lookup_min / prompt_lookup_max, 5 by default), "
+                        "draft_model (with \"model\", a smaller model of the same vocabulary) or mtp (an ERNIE "
+                        "4.5 checkpoint's MTP layers); the backend must declare the method (see fd backends)")
     p.add_argument("--max-logprobs", type=_count, default=MAX_LOGPROBS,
                    help=f"the most logprobs a request may ask for (default: {MAX_LOGPROBS})")
     # FastDeploy's flags that set up what fd does without being told: accepted so its launch
@@ -278,6 +283,7 @@ def engine_config(args: argparse.Namespace):
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
         tokenizer=args.tokenizer, chat_template=args.chat_template, max_logprobs=args.max_logprobs,
+        speculative_config=args.speculative_config,
     )
 
 

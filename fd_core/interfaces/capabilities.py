@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+# What Capabilities.speculative_methods may name: the proposers of fd_core/engine/speculative.
+# Each runs on the shared model runner; a backend needs the attention of chunked prefill (a
+# decode row of several tokens over its cached prefix) to verify their drafts.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -24,6 +29,7 @@ class Capabilities:
     chunked_prefill: bool = False
     # Memory.allocate_host_kv_cache / swap_blocks work: preemption by swap (--swap-space)
     kv_swap: bool = False
+    # --speculative-config methods the backend runs (members of SPECULATIVE_METHODS)
     speculative_methods: frozenset[str] = frozenset()
     collective_library: str = "none"  # "none" (single process), "gloo", "nccl", "bkcl", ...
     pinned_host_memory: bool = False

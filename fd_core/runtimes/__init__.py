@@ -18,9 +18,12 @@ HOST_DTYPES: dict[str, frozenset[str]] = {
 
 def reference_capabilities(dtypes: Iterable[str], **fields: Any) -> Capabilities:
     """The manifest of a platform whose ops are (or do what) a runtime's reference ops do, in
-    ``dtypes``: attention over cached prefixes and mixed prefill chunks, KV swap through Memory;
-    no graph capture and no weight-only quantization (fd quantizes nothing at load). ``fields``
-    sets the rest (collective library, device count, memory queries...)."""
+    ``dtypes``: attention over cached prefixes and mixed prefill chunks, KV swap through Memory,
+    the speculative methods (their drafts are verified in decode rows of several tokens, which
+    that attention computes); no graph capture and no weight-only quantization (fd quantizes
+    nothing at load). ``fields`` sets the rest (collective library, device count, memory
+    queries...)."""
     dtypes = frozenset(dtypes)
     return Capabilities(dtypes=dtypes, kv_cache_dtypes=dtypes, quantization=frozenset(), graph_capture=False,
-                        prefix_caching=True, chunked_prefill=True, kv_swap=True, **fields)
+                        prefix_caching=True, chunked_prefill=True, kv_swap=True,
+                        speculative_methods=frozenset({"ngram"}), **fields)

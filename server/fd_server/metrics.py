@@ -80,6 +80,15 @@ _ENGINE_FIGURES = (
 )
 
 
+# speculative decoding's counters, vLLM's spec_decode names (exported where the engine speculates)
+_SPEC_FIGURES = (
+    ("spec_drafts_total", "spec_decode_num_drafts",
+     "Steps in which a sequence verified draft tokens (speculative decoding)."),
+    ("spec_draft_tokens_total", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    ("spec_accepted_tokens_total", "spec_decode_num_accepted_tokens", "Draft tokens the target model accepted."),
+)
+
+
 def token_buckets(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's buckets for token counts)."""
     buckets, scale = [], 1
@@ -108,6 +117,18 @@ class _EngineCollector(Collector):
             family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(PREFIX + name, doc,
                                                                                     labels=LABELS)
             family.add_metric(self.labels, float(figures[key]))
+            yield family
+        per_pos = figures.get("spec_accepted_per_pos")
+        if per_pos:  # the engine speculates (--speculative-config)
+            for key, name, doc in _SPEC_FIGURES:
+                family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+                family.add_metric(self.labels, float(figures[key]))
+                yield family
+            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted draft tokens, by their position among a step's drafts (0: the "
+                                         "first).", labels=(*LABELS, "position"))
+            for position, count in enumerate(per_pos):
+                family.add_metric([*self.labels, str(position)], float(count))
             yield family
 
 

@@ -64,6 +64,7 @@ class CudaPlatform:
             prefix_caching=True,
             chunked_prefill=True,
             kv_swap=True,
+            speculative_methods=frozenset({"ngram"}),
             collective_library="nccl",
             pinned_host_memory=True,
             device_count=self.device_count(),

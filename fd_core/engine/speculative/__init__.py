@@ -1,0 +1,2 @@
+"""Speculative decoding: proposers guess a sequence's next tokens, and one target forward checks
+them all (``verify``)."""
