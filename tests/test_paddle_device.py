@@ -401,7 +401,7 @@ def test_emulated_capabilities_are_the_chip_narrowed_to_the_cpu(monkeypatch):
         dtypes=frozenset({"float32"}), kv_cache_dtypes=frozenset({"float32"}),
         quantization=frozenset({"wint8", "wint4"}), graph_capture=False, prefix_caching=True, chunked_prefill=True, kv_swap=True,
         collective_library="gloo", pinned_host_memory=False, device_count=2, memory_query=True,
-        memory_profiling=False, speculative_methods=frozenset({"ngram"}),
+        memory_profiling=False, speculative_methods=frozenset({"ngram", "draft_model", "mtp"}),
     )
 
 

@@ -260,3 +260,20 @@ def test_ngram_speculation_gives_the_same_greedy_text(llm):
     stats = spec.engine.stats
     assert stats["spec_accepted_tokens"] > 0.5 * stats["spec_draft_tokens"] > 0
     assert stats["steps"] < 0.6 * sum(map(len, want))  # several tokens a step
+
+
+def test_a_second_copy_as_draft_model_accepts_everything(llm):
+    """draft_model with the same GGUF: each draft is the target's own greedy token, so every
+    one holds, and the text is the one without speculation."""
+    from fd_core.loader import resolve_model
+
+    path = str(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    spec = LLM(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=1024,
+               speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 4})
+    chats = [[{"role": "user", "content": c}] for c in CHAT_PROMPTS[:3]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(chats, params, use_tqdm=False)]
+    assert got == want
+    stats = spec.engine.stats
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 50

@@ -115,7 +115,7 @@ def test_emulated_on_the_cpu(monkeypatch):
         dtypes=frozenset({"float32", "bfloat16"}), kv_cache_dtypes=frozenset({"float32", "bfloat16"}),
         quantization=frozenset(), graph_capture=False, prefix_caching=True, chunked_prefill=True, kv_swap=True,
         collective_library="gloo", pinned_host_memory=False, device_count=2, memory_query=True,
-        memory_profiling=False, speculative_methods=frozenset({"ngram"}))
+        memory_profiling=False, speculative_methods=frozenset({"ngram", "draft_model", "mtp"}))
     memory = p.memory(1)
     assert isinstance(memory, runtime.TorchMemory) and memory.device == "cpu"
     free, total = memory.memory_info()

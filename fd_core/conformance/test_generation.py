@@ -3,10 +3,12 @@ the backend's tokens are the specification's own greedy continuation, up to near
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
-from fd_core.testing.models import TinyLlama, greedy_reference, write_checkpoint
+from fd_core.testing.models import TinyLlama, greedy_reference, write_checkpoint, write_mtp_weights
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 19, 40)
@@ -70,21 +72,29 @@ def test_chunked_prefill_where_declared(fd_backend, tiny):
     _check(fd_backend, got, expected, "chunked prefill")
 
 
-def test_speculative_methods_where_declared(fd_backend, tiny):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+def test_speculative_methods_where_declared(fd_backend, tiny, tmp_path, method):
     """Each declared speculative method: drafts verified in multi-token decode rows (their
-    tokens sampled by the backend's ``sample``) leave the greedy continuation as it was."""
-    fd_backend.require()
-    methods = sorted(fd_backend.capabilities.speculative_methods & {"ngram"})
-    if not methods:
-        pytest.skip("no speculative method is declared (--speculative-config is refused at start-up)")
-    folder, prompts, expected = tiny
-    for method in methods:
-        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-        from fd_core import LLM, SamplingParams
+    tokens sampled by the backend's ``sample``) leave the greedy continuation as it was. The
+    draft model is the model itself; the MTP layer has random weights."""
+    from fd_core import LLM, SamplingParams
 
-        llm = LLM(str(folder), device=fd_backend.device, runtime=fd_backend.runtime, dtype=fd_backend.dtype,
-                  max_model_len=128, max_num_seqs=4, num_kv_blocks=48, speculative_config=config)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.stats["spec_draft_tokens"] > 0, f"{method}: no draft was verified"
-        _check(fd_backend, got, expected, f"speculative decoding ({method})")
+    fd_backend.require()
+    if method not in fd_backend.capabilities.speculative_methods:
+        pytest.skip(f"{method} is not declared (--speculative-config refuses it at start-up)")
+    folder, prompts, expected = tiny
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        config["prompt_lookup_min"] = 1
+    elif method == "draft_model":
+        config["model"] = str(folder)
+    else:  # the MTP layer's weights beside a copy of the model
+        shutil.copytree(folder, tmp_path / "with-mtp")
+        folder = tmp_path / "with-mtp"
+        write_mtp_weights(folder, TinyLlama())
+    llm = LLM(str(folder), device=fd_backend.device, runtime=fd_backend.runtime, dtype=fd_backend.dtype,
+              max_model_len=128, max_num_seqs=4, num_kv_blocks=48, speculative_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.stats["spec_draft_tokens"] > 0, f"{method}: no draft was verified"
+    _check(fd_backend, got, expected, f"speculative decoding ({method})")

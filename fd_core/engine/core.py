@@ -25,12 +25,13 @@ from fd_core.engine.config import (
     GiB,
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
-from fd_core.engine.loading import describe, load_runner, open_checkpoint
+from fd_core.engine.loading import describe, load_runner, open_checkpoint, proposer_cache_shape
 from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored, StepResult
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
-from fd_core.engine.speculative.proposer import Proposer, make_proposer
+from fd_core.engine.speculative.model import ModelProposer
+from fd_core.engine.speculative.proposer import NgramProposer, Proposer
 from fd_core.engine.speculative.verify import accepted
 from fd_core.engine.structured.matchers import GrammarMatchers
 from fd_core.engine.structured.worker import Advance, MaskWorker
@@ -199,6 +200,8 @@ class EngineCore:
             step.detail = describe(checkpoint)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
+        # the speculative proposer's own model: (KV-cache layers, key-value heads, head size)
+        self._proposer_cache = proposer_cache_shape(config, checkpoint)
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ConfigError(
@@ -276,7 +279,11 @@ class EngineCore:
         self.proposer: Proposer | None = None
         spec = config.speculative_config
         if spec is not None:
-            self.proposer = make_proposer(spec, self.max_model_len)
+            if spec.method == "ngram":
+                self.proposer = NgramProposer(spec, self.max_model_len)
+            else:
+                self.proposer = ModelProposer(spec, self.max_model_len, self.pool, self.executor.propose,
+                                              lambda: len(self.scheduler.running))
             self.scheduler.proposer_kv = self.proposer.holds_kv
             if self.async_scheduling:  # validate() refused it asked for: it was the default
                 startup.info("speculative decoding (%s): asynchronous scheduling is off, since a step's drafts "
@@ -295,8 +302,11 @@ class EngineCore:
     def _kv_block_bytes(self) -> int:
         """Bytes of one block on one rank (a tensor-parallel rank holds its share of the heads)."""
         c, m = self.config, self.model_config
-        kv_heads = m.num_key_value_heads // self.tp.world_size
-        return 2 * m.num_hidden_layers * c.block_size * kv_heads * kv_row_bytes(c.cache_dtype, m.head_dim)
+        caches = [(m.num_hidden_layers, m.num_key_value_heads, m.head_dim)]
+        if self._proposer_cache is not None:  # its layers are in the same blocks
+            caches.append(self._proposer_cache)
+        return sum(2 * layers * c.block_size * (heads // self.tp.world_size) * kv_row_bytes(c.cache_dtype, head_dim)
+                   for layers, heads, head_dim in caches)
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -543,10 +553,10 @@ class EngineCore:
             for seq, token in zip(sampled, o.token_ids.tolist()):
                 slots.append(len(seq.output_token_ids))
                 seq.output_token_ids.append(token)
-        if keep is not None:
-            for s in out.scheduled:
-                if s.rejected:
-                    self.scheduler.roll_back(s.seq)
+        for s in out.scheduled:
+            s.seq.draft_token_ids = []  # verified: the proposer makes the next ones
+            if s.rejected:
+                self.scheduler.roll_back(s.seq)
         self.proposer.propose(out.scheduled, decoding)
         self._advance(out, parents)
         self._keep_scores(result.scored, result.prompt)

@@ -40,6 +40,7 @@ from fd_core.engine.model_runner import (
     Feed,
     Launched,
     ModelRunner,
+    ProposalPlan,
     Scored,
     StepInputs,
     StepResult,
@@ -239,6 +240,10 @@ class Executor:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._everywhere("copy_blocks", pairs)
+
+    def propose(self, plan: ProposalPlan) -> np.ndarray:
+        """Run the speculative proposer's model on every rank; rank 0's drafts."""
+        return self._everywhere("propose", plan)
 
     def scores_lack(self) -> str:
         """Why the engine cannot score prompt tokens (prompt_logprobs; "" if it can)."""

@@ -3,13 +3,18 @@ engine core (rank 0) and tensor-parallel workers, so every rank is built the sam
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.model_runner import ModelRunner
-from fd_core.interfaces import Communicator, Platform, RunnerLimits
+from fd_core.engine.speculative.config import FLAG as SPECULATIVE_FLAG
+from fd_core.errors import ConfigError
+from fd_core.interfaces import Communicator, Memory, Platform, RunnerLimits
 from fd_core.phases import phase, progress
 from fd_core.plugins.ops import op_context
+from fd_core.models.mtp import PREFIX as MTP_PREFIX
+from fd_core.models.mtp import MtpLayer
 from fd_core.quantization.quantize import LoadQuantization
 
 
@@ -70,7 +75,59 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
         step.detail = f"{count} tensors" + (f", rank {rank} of {world_size}" if world_size > 1 else "")
     if quantize is not None:
         quantize.report()
+    proposer = None
+    if config.speculative_config is not None and config.speculative_config.method != "ngram":
+        proposer = load_proposer_model(config, model, checkpoint, ops, memory, tp, quantize)
     limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
                           config.block_size)
     return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks(), limits,
-                       enforce_eager=config.enforce_eager)
+                       enforce_eager=config.enforce_eager, proposer=proposer)
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig:
+    """The engine config that opens ``--speculative-config``'s draft model (or the folder holding
+    MTP weights): its own checkpoint and format, no tokenizer, no load-time quantization."""
+    return replace(config, model=config.speculative_config.model, tokenizer=None, chat_template=None,
+                   skip_tokenizer_init=True, quantization=None, quantization_group_size=None)
+
+
+def proposer_cache_shape(config: EngineConfig, target: Any) -> tuple[int, int, int] | None:
+    """The KV-cache layers, key-value heads and head size of the speculative proposer's model
+    (None for a proposer without one), once checked against the target's checkpoint
+    ``target``: a draft model whose vocabulary is not the target's, or ``mtp`` on a checkpoint
+    without MTP weights, stop start-up naming the flag, before anything loads."""
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None
+    c = target.config
+    if spec.method == "mtp":
+        source = open_checkpoint(draft_engine_config(config)) if spec.model else target
+        if not source.extra_names(MTP_PREFIX):
+            raise ConfigError(f"{SPECULATIVE_FLAG}: method 'mtp' needs the MTP layer's weights ({MTP_PREFIX}*), "
+                              f"and {source.path} has none")
+        return 1, c.num_key_value_heads, c.head_dim
+    draft = open_checkpoint(draft_engine_config(config)).config
+    if draft.vocab_size != c.vocab_size:
+        raise ConfigError(f"{SPECULATIVE_FLAG}: the draft model {spec.model} has a vocabulary of {draft.vocab_size} "
+                          f"tokens and the target {c.vocab_size}; a draft model must share the target's vocabulary")
+    return draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim
+
+
+def load_proposer_model(config: EngineConfig, target: Any, checkpoint: Any, ops: Any, memory: Memory,
+                        tp: Any, quantize: LoadQuantization | None = None) -> Any:
+    """The proposer's model beside the loaded ``target`` (read from ``checkpoint``): the draft
+    model on the same ops, memory and ranks, or the MTP layer (from the target's checkpoint,
+    or from the folder the config's ``model`` names)."""
+    from fd_core.models import build_model
+
+    spec = config.speculative_config
+    with phase(f"loading the {spec.method} proposer") as step:
+        source = open_checkpoint(draft_engine_config(config)) if spec.model else checkpoint
+        if spec.method == "mtp":
+            model = MtpLayer(target)
+            model.load_weights(source.extra_weights(MTP_PREFIX), quantize)
+        else:
+            model = build_model(source.config, ops, memory, config.max_model_len, config.dtype, tp)
+            model.load_weights(source.weights())
+        step.detail = str(source.path)
+    return model

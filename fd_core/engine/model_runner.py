@@ -120,6 +120,33 @@ class StepInputs:
         return scored
 
 
+@dataclass
+class ProposalPlan:
+    """What every rank needs to run the speculative proposer's own model (a draft model, an MTP
+    layer) after a step: its catch-up over the tokens it has not computed yet (``inputs``, whose
+    logit rows are each drafting sequence's last token there), which gives each drafting
+    sequence its first draft; then passes of one token per sequence still drafting, each the
+    draft before at the position after, until sequence ``i`` has ``num_drafts[i]``."""
+
+    inputs: StepInputs
+    num_drafts: np.ndarray  # [S] int64, at least 1
+    block_tables: np.ndarray  # [S, W] int64, the drafting sequences'
+    last_positions: np.ndarray  # [S] int64, the position of each one's last catch-up token
+    # MTP: per catch-up token, its row of the hidden states of the target step just run
+    hidden_rows: np.ndarray | None = None
+
+
+def greedy_batch(rows: int) -> SamplingBatch:
+    """Sampling parameters that draw each row's most likely token (a proposer's draft)."""
+    empty = [_EMPTY] * rows
+    return SamplingBatch(
+        temperature=np.zeros(rows, np.float32), top_p=np.ones(rows, np.float32), top_k=np.zeros(rows, np.int64),
+        min_p=np.zeros(rows, np.float32), presence_penalty=np.zeros(rows, np.float32),
+        frequency_penalty=np.zeros(rows, np.float32), repetition_penalty=np.ones(rows, np.float32),
+        seeds=np.zeros(rows, np.int64), steps=np.zeros(rows, np.int64), prompt_token_ids=empty,
+        output_token_ids=empty, suppress_token_ids=empty)
+
+
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
     scheduled sequence whose step reaches its end, followed by the forks the scheduler seated
@@ -132,24 +159,15 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
     num_seqs = len(scheduled)
     query_lens = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=num_seqs)
     context_lens = np.fromiter((s.seq.num_computed for s in scheduled), dtype=np.int64, count=num_seqs)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    tables = [s.seq.block_table for s in scheduled]
-    widths = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-    block_tables = np.zeros((num_seqs, int(widths.max())), dtype=np.int64)
-    # row-major boolean assignment fills each row's first `width` entries in order
-    block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), dtype=np.int64, count=int(widths.sum()))
+    num_tokens = int(query_lens.sum())
     if num_tokens == num_seqs:  # one token each (decodes, mostly)
         ids = np.fromiter((s.seq.token_at(s.seq.num_computed) for s in scheduled), dtype=np.int64, count=num_seqs)
     else:
         ids = np.fromiter(itertools.chain.from_iterable(
             s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts)) + s.drafts
             for s in scheduled), dtype=np.int64, count=num_tokens)
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token])
-    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    inputs = ragged_inputs(ids, [s.seq.block_table for s in scheduled], context_lens, query_lens, block_size)
+    query_start_loc = inputs.meta.query_start_loc
     sampled: list[Sequence] = []
     rows: list[int] = []
     for i, s in enumerate(scheduled):
@@ -165,6 +183,30 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
             for fork in s.forks:
                 sampled.append(fork)
                 rows.append(row)
+    inputs.logit_rows = np.asarray(rows, dtype=np.int64)
+    return inputs, sampled
+
+
+def ragged_inputs(ids: np.ndarray, tables: list[list[int]] | np.ndarray, context_lens: np.ndarray,
+                  query_lens: np.ndarray, block_size: int) -> StepInputs:
+    """A step of ``ids`` (int64) over sequences with block tables ``tables``, each computing
+    ``query_lens[i]`` tokens after its first ``context_lens[i]``: positions, slot mapping and
+    attention metadata; no logit rows yet."""
+    num_seqs = len(query_lens)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    if isinstance(tables, np.ndarray):
+        block_tables = tables
+    else:
+        widths = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+        block_tables = np.zeros((num_seqs, int(widths.max())), dtype=np.int64)
+        # row-major boolean assignment fills each row's first `width` entries in order
+        block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int64, count=int(widths.sum()))
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    positions = context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token])
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=context_lens + query_lens,
@@ -173,8 +215,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
         slot_mapping=slot_mapping,
         block_size=block_size,
     )
-    inputs = StepInputs(ids, positions, meta, np.asarray(rows, dtype=np.int64))
-    return inputs, sampled
+    return StepInputs(ids, positions, meta, _EMPTY)
 
 
 def prefill_batch(prompts: list[list[int]], block_size: int,
@@ -198,12 +239,17 @@ class ModelRunner:
 
     def __init__(self, model: Any, ops: Any, memory: Memory, block_size: int,
                  hooks: ModelRunnerHooks | None = None, limits: RunnerLimits | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, proposer: Any = None) -> None:
         self.model = model
         self.ops = ops
         self.memory = memory
         self.block_size = block_size
+        # the speculative proposer's own model (a draft model, an MTP layer), if any: its KV
+        # cache layers follow the model's, in the same blocks
+        self.proposer = proposer
+        self._target_hidden: Any = None  # the last step's hidden states, where the proposer reads them
         self.kv_caches: list[tuple[Any, Any]] = []
+        self.proposer_caches: list[tuple[Any, Any]] = []
         self.host_caches: list[tuple[Any, Any]] = []  # swap space
         self.forward = model.forward
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
@@ -213,9 +259,13 @@ class ModelRunner:
             takes_limits = len(inspect.signature(wrap).parameters) >= 2
             self.forward = wrap(model.forward, limits) if takes_limits else wrap(model.forward)
 
-    def _allocate(self, allocate: Any, num_blocks: int, dtype: str) -> list[tuple[Any, Any]]:
-        m = self.model  # its own heads: a tensor-parallel rank holds a slice
+    def _allocate(self, allocate: Any, num_blocks: int, dtype: str, model: Any = None) -> list[tuple[Any, Any]]:
+        m = model or self.model  # its own heads: a tensor-parallel rank holds a slice
         return allocate(m.config.num_hidden_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, dtype)
+
+    @property
+    def _all_caches(self) -> list[tuple[Any, Any]]:
+        return self.kv_caches + self.proposer_caches
 
     def memory_info(self) -> tuple[int, int]:
         return self.memory.memory_info()
@@ -231,21 +281,25 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
+        if self.proposer is not None:
+            self.proposer_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype, self.proposer)
         warm_up = getattr(self.forward, "warm_up", None)
         if warm_up is not None:  # e.g. capture graphs before the first request
             warm_up(self.kv_caches, self.memory.device)
 
     def initialize_swap_space(self, num_blocks: int, dtype: str = "float32") -> None:
         self.host_caches = self._allocate(self.memory.allocate_host_kv_cache, num_blocks, dtype)
+        if self.proposer is not None:
+            self.host_caches += self._allocate(self.memory.allocate_host_kv_cache, num_blocks, dtype, self.proposer)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.memory.swap_blocks(self.kv_caches, self.host_caches, self.block_size, pairs)
+        self.memory.swap_blocks(self._all_caches, self.host_caches, self.block_size, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.memory.swap_blocks(self.host_caches, self.kv_caches, self.block_size, pairs)
+        self.memory.swap_blocks(self.host_caches, self._all_caches, self.block_size, pairs)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        self.memory.copy_blocks(self.kv_caches, self.block_size, pairs)
+        self.memory.copy_blocks(self._all_caches, self.block_size, pairs)
 
     def profile_memory(self, num_tokens: int, num_rows: int, max_model_len: int, dtype: str) -> tuple[int, int, int]:
         """Run the largest step the engine may schedule — ``num_tokens`` prompt tokens in
@@ -348,6 +402,8 @@ class ModelRunner:
               before_sample: Callable[[SamplingBatch], None] | None, sample: Callable[..., Any],
               lead: bool) -> tuple[Any, SampleOutput | None]:
         hidden, packed = self._forward(inputs, False, feed)
+        if getattr(self.proposer, "reads_target_hidden", False):
+            self._target_hidden = hidden  # until the proposer has read this step's rows
         logits = self._logits(inputs, hidden, packed)
         drawn = None
         if batch is not None and logits is not None:
@@ -356,6 +412,48 @@ class ModelRunner:
             drawn = sample(logits, batch)
         del logits  # the prompt rows' logits need not sit beside them (what profiling measured)
         return drawn, self._score_prompts(inputs, hidden, packed, lead)
+
+
+    def propose(self, plan: ProposalPlan) -> np.ndarray:
+        """Run the proposer's model on ``plan``: its catch-up, then one pass per further draft;
+        the drafts, ``[S, max(num_drafts)]`` int64 (row ``i`` valid up to ``num_drafts[i]``).
+        Every rank of a tensor-parallel model runs it (the logits are gathered on each, and the
+        drafts are greedy, so every rank drafts the same tokens)."""
+        model, inputs = self.proposer, plan.inputs
+        reads_hidden = getattr(model, "reads_target_hidden", False)
+        n, rows = len(inputs.input_ids), len(inputs.logit_rows)
+        parts = [model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
+        if reads_hidden:
+            parts.append(plan.hidden_rows)
+        packed = self.memory.from_numpy(np.concatenate(parts))
+        args = [packed[:n], packed[n : 2 * n], self.proposer_caches, inputs.meta]
+        if reads_hidden:  # the target's hidden states at the catch-up's positions (a row gather)
+            args.append(self.ops.embedding(self._target_hidden, packed[2 * n + rows :]))
+        hidden = model.forward(*args)
+        self._target_hidden = None
+        width = int(plan.num_drafts.max()) if rows else 0
+        drafts = np.zeros((rows, width), dtype=np.int64)
+        if not rows:
+            return drafts
+        last = self.ops.embedding(hidden, packed[2 * n : 2 * n + rows])  # each drafting sequence's last row
+        active = np.arange(rows)
+        for j in range(width):
+            tokens = self.ops.sample(model.compute_logits(last, None), greedy_batch(len(active))).token_ids
+            drafts[active, j] = tokens
+            going = plan.num_drafts[active] > j + 1
+            if not going.any():
+                break
+            active, tokens = active[going], tokens[going]
+            step = ragged_inputs(tokens, plan.block_tables[active], plan.last_positions[active] + j + 1,
+                                 np.ones(len(active), dtype=np.int64), self.block_size)
+            packed = self.memory.from_numpy(np.concatenate([model.local_token_ids(tokens), step.positions,
+                                                            np.flatnonzero(going)]))
+            k = len(active)
+            args = [packed[:k], packed[k : 2 * k], self.proposer_caches, step.meta]
+            if reads_hidden:  # its own hidden state stands in for the target's one token ahead
+                args.append(self.ops.embedding(last, packed[2 * k :]))
+            last = model.forward(*args)
+        return drafts
 
 
 def join_outputs(parts: list[SampleOutput]) -> SampleOutput:

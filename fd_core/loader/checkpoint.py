@@ -57,12 +57,15 @@ class Checkpoint:
         config: ModelConfig,
         tokenizer: Tokenizer | None,  # None: read without one (skip_tokenizer_init)
         readers: Mapping[str, Callable[[], HostWeight]],
+        extras: Mapping[str, Callable[[], HostWeight]] | None = None,
     ) -> None:
         self.path = path
         self.format = format
         self.config = config
         self.tokenizer = tokenizer
         self._readers = dict(readers)
+        # tensors the model itself does not load (an MTP layer's, say), for whoever asks
+        self._extras = dict(extras or {})
 
     @property
     def num_tensors(self) -> int:
@@ -84,6 +87,15 @@ class Checkpoint:
         for name in self._readers:
             weight = self._readers[name]()
             yield name, as_float(weight) if dequantize else weight
+
+    def extra_names(self, prefix: str = "") -> list[str]:
+        """The names of the tensors beside the model's own that start with ``prefix``."""
+        return [name for name in self._extras if name.startswith(prefix)]
+
+    def extra_weights(self, prefix: str) -> Iterator[tuple[str, HostWeight]]:
+        """Those tensors, one at a time, as ``weights()`` yields the model's."""
+        for name in self.extra_names(prefix):
+            yield name, self._extras[name]()
 
     def __repr__(self) -> str:
         return (

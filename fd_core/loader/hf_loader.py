@@ -349,4 +349,6 @@ def load_hf(folder: Path, tokenizer: bool = True) -> Checkpoint:
                    else (lambda name=name: tensors.read(name)) for name in names}
     else:
         readers = {name: (lambda name=name: tensors.read(name)) for name in names}
-    return Checkpoint(path=src.folder, format="hf", config=config, tokenizer=src.tokenizer, readers=readers)
+    extras = {name: (lambda name=name: tensors.read(name)) for name in found if name not in readers}
+    return Checkpoint(path=src.folder, format="hf", config=config, tokenizer=src.tokenizer, readers=readers,
+                      extras=extras)

@@ -45,34 +45,43 @@ class DecoderTraits:
     def moe_spec(self, c: ModelConfig) -> MoeSpec | None:
         return None if self.moe is None else moe_spec(self.moe, c)
 
+    def layer_shapes(self, c: ModelConfig, p: str, moe: MoeSpec | None = None,
+                     experts: range | None = None) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's weights under prefix ``p``: a sparse layer's experts where
+        ``moe`` is given, else the dense MLP."""
+        h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
+        q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {}
+        for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+            shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
+            if c.attention_bias:
+                shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if self.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if moe is not None:
+            shapes.update(moe.weight_shapes(p, h, experts))
+        else:
+            for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
+                shapes[f"{p}mlp.{proj}_proj.weight"] = shape
+                if c.mlp_bias:
+                    shapes[f"{p}mlp.{proj}_proj.bias"] = (shape[0],)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        return shapes
+
     def weight_shapes(self, c: ModelConfig, experts: range | None = None) -> dict[str, tuple[int, ...]]:
         """HF name -> ``[out, in]`` shape of every weight; biases where the config has them.
         ``experts``: the routed experts to include (all by default)."""
-        h, inter, d = c.hidden_size, c.intermediate_size, c.head_dim
+        h = c.hidden_size
         moe = self.moe_spec(c)
-        q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
         for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
-                shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, h)
-                if c.attention_bias:
-                    shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q)
-            if c.o_bias:
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-            if self.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = (d,)
-                shapes[p + "self_attn.k_norm.weight"] = (d,)
-            if moe is not None and i in moe.sparse_layers:
-                shapes.update(moe.weight_shapes(p, h, experts))
-            else:
-                for proj, shape in (("gate", (inter, h)), ("up", (inter, h)), ("down", (h, inter))):
-                    shapes[f"{p}mlp.{proj}_proj.weight"] = shape
-                    if c.mlp_bias:
-                        shapes[f"{p}mlp.{proj}_proj.bias"] = (shape[0],)
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            sparse = moe is not None and i in moe.sparse_layers
+            shapes.update(self.layer_shapes(c, f"model.layers.{i}.", moe if sparse else None, experts))
         shapes["model.norm.weight"] = (h,)
         if not c.tie_word_embeddings:
             shapes["lm_head.weight"] = (c.vocab_size, h)
@@ -190,7 +199,7 @@ class DecoderForCausalLM:
                      "the fused q/k/v or gate/up matrix", count, method, self.dtype)
 
     def _upload(self, host: dict[str, HostWeight]) -> None:
-        up, tp = self._to_device, self.tp
+        up, tp = self.to_device, self.tp
         c = self.config
         # The embedding and the LM head stay in the model's dtype whatever the checkpoint stores
         # (as FastDeploy and vLLM keep them): a lookup gathers rows, and the logits decide every
@@ -205,6 +214,14 @@ class DecoderForCausalLM:
             self.lm_head = up(tp.vocab_part(embed if lm is None else as_float(lm), lookup_row=False))
         self.norm = up(host.pop("model.norm.weight"), norm=True)
         self.layers = []
+        for i in range(c.num_hidden_layers):
+            sparse = self.moe is not None and i in self.moe.sparse_layers
+            self.layers.append(self.upload_layer(f"model.layers.{i}.", host, sparse))
+
+    def upload_layer(self, p: str, host: dict[str, HostWeight], sparse: bool = False) -> Layer:
+        """The decoder layer whose weights are ``host``'s under prefix ``p`` (taken out of it),
+        fused and on the device as this rank holds them."""
+        up, tp, get = self.to_device, self.tp, host.pop
 
         def column(name: str, default: Any = ...) -> HostWeight | None:
             """This rank's output rows of a column-parallel weight or bias."""
@@ -218,37 +235,34 @@ class DecoderForCausalLM:
                 self._unfused.update(p.method for p in parts if isinstance(p, QuantizedWeight))
             return out
 
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            get = host.pop
-            layer = Layer()
-            layer.qkv = up(fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
-            layer.qkv_bias = self._fused_bias([column(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
-            o = p + "self_attn.o_proj.weight"
-            layer.o = up(tp.part(get(o), axis=1, name=o))
-            layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
-            layer.gate_up = layer.gate_up_bias = layer.down = layer.down_bias = layer.experts = None
-            if self.moe is not None and i in self.moe.sparse_layers:
-                layer.experts = self._experts(p + "mlp.", host, fused, column)
-            else:
-                layer.gate_up = up(fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
-                layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
-                                                       column(p + "mlp.up_proj.bias", None)])
-                down = p + "mlp.down_proj.weight"
-                layer.down = up(tp.part(get(down), axis=1, name=down))
-                layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
-            layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
-            layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
-            layer.q_norm = up(get(p + "self_attn.q_norm.weight"), norm=True) if self.traits.qk_norm else None
-            layer.k_norm = up(get(p + "self_attn.k_norm.weight"), norm=True) if self.traits.qk_norm else None
-            self.layers.append(layer)
+        layer = Layer()
+        layer.qkv = up(fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"]))
+        layer.qkv_bias = self._fused_bias([column(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"])
+        o = p + "self_attn.o_proj.weight"
+        layer.o = up(tp.part(get(o), axis=1, name=o))
+        layer.o_bias = self._fused_bias([get(p + "self_attn.o_proj.bias", None)])
+        layer.gate_up = layer.gate_up_bias = layer.down = layer.down_bias = layer.experts = None
+        if sparse:
+            layer.experts = self._experts(p + "mlp.", host, fused, column)
+        else:
+            layer.gate_up = up(fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]))
+            layer.gate_up_bias = self._fused_bias([column(p + "mlp.gate_proj.bias", None),
+                                                   column(p + "mlp.up_proj.bias", None)])
+            down = p + "mlp.down_proj.weight"
+            layer.down = up(tp.part(get(down), axis=1, name=down))
+            layer.down_bias = self._fused_bias([get(p + "mlp.down_proj.bias", None)])
+        layer.input_norm = up(get(p + "input_layernorm.weight"), norm=True)
+        layer.post_norm = up(get(p + "post_attention_layernorm.weight"), norm=True)
+        layer.q_norm = up(get(p + "self_attn.q_norm.weight"), norm=True) if self.traits.qk_norm else None
+        layer.k_norm = up(get(p + "self_attn.k_norm.weight"), norm=True) if self.traits.qk_norm else None
+        return layer
 
     def _experts(self, p: str, host: dict[str, HostWeight], fused: Callable, column: Callable) -> Experts:
         """A sparse layer's weights from ``host``. Under tensor parallelism each rank holds a
         slice of every expert's width (gate/up by rows, down by columns), or with expert
         parallelism its share of the experts whole; either way the ``moe`` op's output is a
         partial sum that the ranks add, as a dense MLP's is."""
-        up, tp, spec = self._to_device, self.tp, self.moe
+        up, tp, spec = self.to_device, self.tp, self.moe
         assert spec is not None
 
         def down(name: str, pack: bool = True) -> Tensor:
@@ -290,7 +304,7 @@ class DecoderForCausalLM:
         """Whether the op table chose a ``linear`` for this weight's method."""
         return weight.method in getattr(self.ops, "per_method", {})
 
-    def _to_device(self, array: HostWeight, norm: bool = False, pack: bool = True) -> Tensor:
+    def to_device(self, array: HostWeight, norm: bool = False, pack: bool = True) -> Tensor:
         """``pack``: a quantized weight in the form the backend's ``linear`` reads; without it,
         the canonical form (routed experts: the ``moe`` op reads them, not ``linear``)."""
         if isinstance(array, QuantizedWeight):
@@ -308,17 +322,24 @@ class DecoderForCausalLM:
             return None
         if any(p is None for p in parts):
             raise CheckpointError("checkpoint has biases for some fused projections but not all")
-        return self._to_device(np.concatenate(parts))  # type: ignore[arg-type]
+        return self.to_device(np.concatenate(parts))  # type: ignore[arg-type]
 
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 meta: AttentionMetadata) -> Tensor:
+        return self.run_layers(self.embed_tokens(input_ids), self.layers, positions, kv_caches, meta)
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        return self.tp.reduce(self.ops.embedding(self.embed, input_ids))  # ids from local_token_ids
+
+    def run_layers(self, hidden: Tensor, layers: list[Layer], positions: Tensor,
+                   kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> Tensor:
+        """``layers`` over ``hidden`` (one KV-cache layer each), then the final norm."""
         ops, eps = self.ops, self.config.rms_norm_eps
-        n = input_ids.shape[0]
-        hidden = self.tp.reduce(ops.embedding(self.embed, input_ids))  # ids from local_token_ids
+        n = hidden.shape[0]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(layers, kv_caches):
             if residual is None:
                 residual = hidden
                 x = ops.rms_norm(hidden, layer.input_norm, eps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from fd_core.interfaces import Capabilities
+from fd_core.interfaces.capabilities import SPECULATIVE_METHODS
 
 # What each runtime's reference ops compute in on the host's CPU: PyTorch keeps a half dtype's
 # tensors and KV cache in it (norms, softmax and sampling in float32); Paddle's CPU kernels are
@@ -26,4 +27,4 @@ def reference_capabilities(dtypes: Iterable[str], **fields: Any) -> Capabilities
     dtypes = frozenset(dtypes)
     return Capabilities(dtypes=dtypes, kv_cache_dtypes=dtypes, quantization=frozenset(), graph_capture=False,
                         prefix_caching=True, chunked_prefill=True, kv_swap=True,
-                        speculative_methods=frozenset({"ngram"}), **fields)
+                        speculative_methods=frozenset(SPECULATIVE_METHODS), **fields)

@@ -125,7 +125,7 @@ class DeviceChecks:
         assert caps.quantization == self.quantization
         assert not caps.graph_capture and not caps.memory_profiling
         assert caps.prefix_caching and caps.chunked_prefill and caps.kv_swap
-        assert caps.speculative_methods == {"ngram"}  # verified in the chunked-prefill attention
+        assert caps.speculative_methods == {"ngram", "draft_model", "mtp"}  # verified as chunked prefill runs
         assert (caps.memory_query, caps.pinned_host_memory) == (self.memory_query, self.pinned_host_memory)
         assert caps.collective_library == self.collectives[1] and caps.device_count == 2
 

@@ -96,6 +96,23 @@ def write_checkpoint(folder: Path, shape: TinyLlama = TinyLlama(), seed: int = 0
     return weights
 
 
+def write_mtp_weights(folder: Path, shape: TinyLlama = TinyLlama(), seed: int = 1) -> None:
+    """Random weights of a multi-token-prediction layer (``fd_core/models/mtp.py``: ERNIE 4.5's
+    names) in a file of their own beside the checkpoint, for the ``mtp`` proposer."""
+    from safetensors.numpy import save_file
+
+    layer = random_weights(TinyLlama(**{**shape.__dict__, "num_hidden_layers": 1}), seed)
+    rng = np.random.default_rng(seed)
+    h = shape.hidden_size
+    weights = {k.replace("model.layers.0.", "model.mtp_block.0."): v for k, v in layer.items() if ".layers.0." in k}
+    weights |= {
+        "model.mtp_emb_norm.0.weight": (1.0 + 0.2 * rng.standard_normal(h)).astype(np.float32),
+        "model.mtp_hidden_norm.0.weight": (1.0 + 0.2 * rng.standard_normal(h)).astype(np.float32),
+        "model.mtp_linear_proj.0.weight": (rng.standard_normal((h, 2 * h)) / np.sqrt(2 * h)).astype(np.float32),
+    }
+    save_file(weights, str(Path(folder) / "mtp.safetensors"))
+
+
 def _forward(weights: dict[str, np.ndarray], shape: TinyLlama, ids: list[int]) -> np.ndarray:
     """Logits of the last token of ``ids``, the whole sequence recomputed: the spec's ops, one
     sequence, no paging."""

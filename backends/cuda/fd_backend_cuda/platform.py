@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from fd_core.interfaces import Capabilities
+from fd_core.interfaces.capabilities import SPECULATIVE_METHODS
 from fd_core.runtimes import device_nodes
 
 # the NVIDIA driver's device files: where none exists, no GPU is here and torch is not imported
@@ -64,7 +65,7 @@ class CudaPlatform:
             prefix_caching=True,
             chunked_prefill=True,
             kv_swap=True,
-            speculative_methods=frozenset({"ngram"}),
+            speculative_methods=frozenset(SPECULATIVE_METHODS),
             collective_library="nccl",
             pinned_host_memory=True,
             device_count=self.device_count(),

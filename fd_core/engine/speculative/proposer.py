@@ -26,8 +26,8 @@ class Proposer(Protocol):
 
     def propose(self, scheduled: list[ScheduledSeq], decoding: list[Sequence]) -> None:
         """After a step whose tokens are recorded in the sequences (and before its blocks are
-        published): set ``draft_token_ids`` of each sequence in ``decoding`` (each one of
-        ``scheduled`` that sampled)."""
+        published): set ``draft_token_ids`` of sequences in ``decoding`` (each one of
+        ``scheduled`` that sampled; the engine has emptied theirs)."""
         ...
 
 
@@ -71,8 +71,3 @@ class NgramProposer:
             memo[1] = end
         return array[:end]
 
-
-def make_proposer(config: SpeculativeConfig, max_model_len: int) -> Proposer:
-    if config.method == "ngram":
-        return NgramProposer(config, max_model_len)
-    raise NotImplementedError(config.method)
