@@ -93,10 +93,17 @@ def spec_samples(text: str) -> dict:
     return out
 
 
-def test_mixed_load_with_speculation(tiny_model, tmp_path):
+def test_mixed_load_with_speculation(tiny_model, tmp_path, capsys):
+    from tests.test_bench_serve import bench
+
     with serve(tiny_model, tmp_path / "spec.log", "--speculative-config", SPEC) as server:
         got = run_mix(server)
         metrics = spec_samples(settled(server))
+        # fd bench serve reports what its own requests' drafts did, from /metrics before and after
+        rc, report = bench(["--base-url", server.url, "--api-key", API_KEY, "--model", NAME, "--tokenizer",
+                            tiny_model, "--num-prompts", "8", "--random-input-len", "32", "--random-output-len",
+                            "24", "--save-result", str(tmp_path / "bench.json")])
+        after = spec_samples(settled(server))
     with serve(tiny_model, tmp_path / "plain.log") as server:
         want = run_mix(server)
         assert ("fd:spec_decode_num_drafts_total", None) not in spec_samples(settled(server))
@@ -107,3 +114,33 @@ def test_mixed_load_with_speculation(tiny_model, tmp_path):
     assert metrics[("fd:spec_decode_num_drafts_total", None)] > 0 and 0 < accepted < drafts
     per_pos = [metrics[("fd:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)]
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+
+    assert rc == 0 and report["completed"] == 8
+    spec, key = report["spec_decode"], ("fd:spec_decode_num_draft_tokens_total", None)
+    # the timed requests' drafts: the server's count less the warm-up request's
+    assert 0 < spec["draft_tokens"] < after[key] - metrics[key]
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
+    assert report["spec_decode_acceptance_rate"] == spec["acceptance_rate"]  # vLLM's result field
+    assert len(spec["per_position_acceptance_rate"]) == 4
+    assert "acceptance rate" in capsys.readouterr().out
+
+
+def test_spec_decode_figures_from_metrics_text():
+    from fd_core.bench import spec_decode
+
+    def text(drafts, tokens, accepted, per_pos, prefix="vllm:"):
+        lines = [f'{prefix}spec_decode_num_drafts_total{{engine="0"}} {drafts}',
+                 f'{prefix}spec_decode_num_draft_tokens_total{{engine="0"}} {tokens}',
+                 f'{prefix}spec_decode_num_accepted_tokens_total{{engine="0"}} {accepted}']
+        lines += [f'{prefix}spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{p}"}} {v}'
+                  for p, v in enumerate(per_pos)]
+        return "\n".join(f"# TYPE {line.split('{')[0]} counter\n{line}" for line in lines) + "\n"
+
+    before = spec_decode.parse(text(10, 30, 12, [8, 3, 1]))
+    after = spec_decode.parse(text(30, 90, 42, [26, 12, 4]))
+    d = spec_decode.difference(before, after)
+    assert (d["num_drafts"], d["draft_tokens"], d["accepted_tokens"]) == (20, 60, 30)
+    assert d["acceptance_rate"] == 0.5 and d["acceptance_length"] == 2.5
+    assert d["per_position_acceptance_rate"] == [0.9, 0.45, 0.15]
+    assert spec_decode.parse("# TYPE fd:num_requests_running gauge\nfd:num_requests_running 0\n") is None
+    assert spec_decode.difference(None, None) is None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from fd_core.bench import datasets
+from fd_core.bench import datasets, spec_decode
 from fd_core.bench.datasets import WORDS, Sample, make_prompts  # noqa: F401 - scripts import them from here
 from fd_core.bench.stats import (
     DEFAULT_PERCENTILES,
@@ -253,6 +253,9 @@ def vllm_fields(summary: dict[str, Any], metrics: Sequence[str]) -> dict[str, An
         "output_throughput": summary["output_tokens_per_s"],
         "total_token_throughput": summary["input_tokens_per_s"] + summary["output_tokens_per_s"],
     }
+    spec = summary.get("spec_decode")
+    if spec is not None:
+        out |= {f"spec_decode_{key}": value for key, value in spec.items()}
     for metric in metrics:
         for stat, value in summary[METRICS[metric][0]].items():
             out[f"{stat}_{metric}_ms"] = value
@@ -274,6 +277,7 @@ def format_table(summary: dict[str, Any], title: str, metrics: Sequence[str] = t
         ("input tokens/s", f"{summary['input_tokens_per_s']:.2f}"),
         ("output tokens/s", f"{summary['output_tokens_per_s']:.2f}"),
     ]
+    rows += spec_decode.table_rows(summary.get("spec_decode"))
     lines += [f"  {name:<30}{value}" for name, value in rows]
     keys = ["mean", *(percentile_key(q) for q in summary["percentiles"])]
     lines.append(f"  {'(ms)':<10}" + "".join(f"{k:>11}" for k in keys))
@@ -538,6 +542,7 @@ async def bench(args: argparse.Namespace, p: Plan | None = None) -> dict[str, An
         if args.warmup:
             force, usage = await _warm_up(client, args, p, model, tokenizer, samples[0].prompt_len)
 
+        spec_before = await spec_decode.scrape(client)
         gaps = arrival_gaps(len(samples), args.request_rate, args.seed)
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         finished = 0
@@ -571,6 +576,7 @@ async def bench(args: argparse.Namespace, p: Plan | None = None) -> dict[str, An
         duration = time.perf_counter() - start
         if show_progress:
             print(file=sys.stderr)
+        spec = spec_decode.difference(spec_before, await spec_decode.scrape(client))
 
     for sample, result in zip(samples, results):
         # The prompt as the tokenizer counts it (vLLM's input length); the server's own count,
@@ -579,6 +585,7 @@ async def bench(args: argparse.Namespace, p: Plan | None = None) -> dict[str, An
         if result.ok and not result.usage_seen:
             result.output_tokens = datasets.count_tokens(tokenizer, result.text)
     summary = summarize(results, duration, p.percentiles)
+    summary["spec_decode"] = spec
     params = {k: v for k, v in vars(args).items() if k not in ("api_key", "func", "refused") and not callable(v)}
     params.update(request_rate=str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate,
                   model=model, base_url=p.base_url, endpoint=p.endpoint, dataset_name=p.dataset,
