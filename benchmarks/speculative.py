@@ -57,8 +57,14 @@ def timed(llm: LLM, chats: list, tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def memory(args: argparse.Namespace) -> dict:
+    """Two engines share the device: each a KV cache of a fixed size, not a share of what is free."""
+    return {} if args.device == "cpu" else {"kv_cache_memory_gb": 4.0}
+
+
 def quote(args: argparse.Namespace) -> dict:
-    engine = dict(device=args.device, max_model_len=2048, max_num_seqs=max(args.batch), dtype=args.dtype)
+    engine = dict(device=args.device, max_model_len=2048, max_num_seqs=max(args.batch), dtype=args.dtype,
+                  **memory(args))
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
     report = {"model": args.model, "device": args.device, "speculative_config": spec, "tokens": args.tokens,
@@ -105,7 +111,7 @@ def step_cost(args: argparse.Namespace) -> dict:
     target = checkpoints.make_config_only(tmp, Ernie4_5Config, "target", **shape)
     draft = checkpoints.make_config_only(tmp, Ernie4_5Config, "draft", **{**shape, "num_hidden_layers": args.draft_layers})
     engine = dict(device=args.device, load_format="dummy", max_model_len=2048, max_num_seqs=max(args.batch),
-                  dtype=args.dtype)
+                  dtype=args.dtype, **memory(args))
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
     llms = {"plain": LLM(str(target), **engine), "draft": LLM(str(target), speculative_config=spec, **engine)}
     report = {"shape": shape, "draft_layers": args.draft_layers, "k": args.k, "batches": {}}

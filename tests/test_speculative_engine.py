@@ -246,3 +246,25 @@ def test_each_row_samples_as_if_its_drafts_were_output():
     # banned after its 4, which the row after the first draft has (and `other`, which has none)
     assert [b.tolist() for b in batch.suppress_token_ids] == [[2, 50], [2, 5, 50], [], []]
     assert drafts_ahead([ScheduledSeq(other, 1)]) is None
+
+
+def test_padded_drafts_where_the_backend_wants_one_shape(model_dir, references):
+    """A backend whose verification steps replay one captured shape (``uniform_drafts``) gets
+    every decoding sequence padded to k drafts where its limits allow; the output is unchanged."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, speculative_config=NGRAM,
+              max_num_batched_tokens=256)  # room for 12 sequences' 4 tokens (the CPU's budget is 48)
+    llm.engine.core._pad_drafts = True  # as ModelRunner.pads_drafts() says on such a backend
+    shapes = []
+    schedule = llm.engine.core.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        shapes.append([len(s.drafts) for s in out.scheduled if s.samples])
+        return out
+
+    llm.engine.core.scheduler.schedule = spy
+    got = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+    assert got == references["greedy"]
+    decode_steps = [s for s in shapes[1:] if s]
+    # after the prompts every step verifies 3 drafts a sequence, until max_tokens leaves less room
+    assert all(all(k == 3 for k in s) for s in decode_steps[:6])

@@ -31,7 +31,7 @@ from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
 from fd_core.engine.speculative.model import ModelProposer
-from fd_core.engine.speculative.proposer import NgramProposer, Proposer
+from fd_core.engine.speculative.proposer import NgramProposer, Proposer, pad_drafts
 from fd_core.engine.speculative.verify import accepted
 from fd_core.engine.structured.matchers import GrammarMatchers
 from fd_core.engine.structured.worker import Advance, MaskWorker
@@ -277,6 +277,7 @@ class EngineCore:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
                               f"for this model (fd doctor lists its ops)")
         self.proposer: Proposer | None = None
+        self._pad_drafts = False
         spec = config.speculative_config
         if spec is not None:
             if spec.method == "ngram":
@@ -285,6 +286,8 @@ class EngineCore:
                 self.proposer = ModelProposer(spec, self.max_model_len, self.pool, self.executor.propose,
                                               lambda: len(self.scheduler.running))
             self.scheduler.proposer_kv = self.proposer.holds_kv
+            # the backend replays verification steps of one shape: every decoding sequence gets k drafts
+            self._pad_drafts = self.executor.pads_drafts()
             if self.async_scheduling:  # validate() refused it asked for: it was the default
                 startup.info("speculative decoding (%s): asynchronous scheduling is off, since a step's drafts "
                              "come from the tokens the step before accepted", spec.method)
@@ -558,6 +561,8 @@ class EngineCore:
             if s.rejected:
                 self.scheduler.roll_back(s.seq)
         self.proposer.propose(out.scheduled, decoding)
+        if self._pad_drafts:
+            pad_drafts(decoding, self.config.speculative_config.num_speculative_tokens, self.max_model_len)
         self._advance(out, parents)
         self._keep_scores(result.scored, result.prompt)
         return self._apply(sampled, o, slots)

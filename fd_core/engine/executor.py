@@ -241,6 +241,9 @@ class Executor:
         if pairs:
             self._everywhere("copy_blocks", pairs)
 
+    def pads_drafts(self) -> bool:
+        return self._everywhere("pads_drafts")
+
     def propose(self, plan: ProposalPlan) -> np.ndarray:
         """Run the speculative proposer's model on every rank; rank 0's drafts."""
         return self._everywhere("propose", plan)

@@ -78,8 +78,9 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
     proposer = None
     if config.speculative_config is not None and config.speculative_config.method != "ngram":
         proposer = load_proposer_model(config, model, checkpoint, ops, memory, tp, quantize)
+    spec = config.speculative_config
     limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
-                          config.block_size)
+                          config.block_size, spec.num_speculative_tokens if spec is not None else 0)
     return ModelRunner(model, ops, memory, config.block_size, platform.runner_hooks(), limits,
                        enforce_eager=config.enforce_eager, proposer=proposer)
 

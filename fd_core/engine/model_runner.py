@@ -270,6 +270,11 @@ class ModelRunner:
     def memory_info(self) -> tuple[int, int]:
         return self.memory.memory_info()
 
+    def pads_drafts(self) -> bool:
+        """Whether the forward runs verification steps fastest with every sequence verifying the
+        same number of drafts (a hook's ``uniform_drafts``: captured graphs of that shape)."""
+        return bool(getattr(self.forward, "uniform_drafts", False))
+
     def sample_lacks(self, since: str) -> str:
         """Why this rank's sample ops cannot do what contract ``since`` added to them ("" if
         they can): structured output's bitmask (1.10), logit_bias (1.11)."""

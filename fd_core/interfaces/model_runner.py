@@ -15,6 +15,9 @@ class RunnerLimits:
     max_model_len: int
     max_num_batched_tokens: int
     block_size: int
+    # speculative decoding (API 1.13): the most drafts a sequence verifies in a step (0: none),
+    # so a step's decode rows hold up to 1 + num_speculative_tokens tokens each
+    num_speculative_tokens: int = 0
 
 
 @runtime_checkable
@@ -43,5 +46,11 @@ class ModelRunnerHooks(Protocol):
 
         The replacement may have a method ``warm_up(kv_caches, device)``, which the runner
         calls once the KV cache is allocated, before the first step (e.g. to capture graphs
-        then rather than during the first requests)."""
+        then rather than during the first requests).
+
+        It may set ``uniform_drafts = True`` (API 1.13) where it runs a step faster when every
+        sequence in it verifies exactly ``limits.num_speculative_tokens`` drafts (one graph per
+        batch size for that shape): the engine then pads each decoding sequence's drafts to
+        that many, as far as its ``max_tokens`` and ``max_model_len`` allow (a filler draft is
+        one more guess, verified like the others)."""
         ...

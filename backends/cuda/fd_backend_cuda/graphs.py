@@ -1,7 +1,10 @@
 """CUDA graphs for decode steps: the ``wrap_forward`` hook of the shared model runner.
 
 A decode step (one new token per sequence) of ``S`` sequences runs as the replay of a graph
-captured for the smallest bucket ``B >= S``. The graph was captured with fixed input buffers; a
+captured for the smallest bucket ``B >= S``. With speculative decoding (``limits.
+num_speculative_tokens`` k), a verification step whose every sequence computes its last token
+and k drafts (``q = 1 + k`` tokens each) replays a graph of its own shape, captured per bucket
+too; the engine pads drafts to k (``uniform_drafts``), so most verification steps have it. The graph was captured with fixed input buffers; a
 replay first writes the step into them: token ids and positions (device to device: the runner
 has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
@@ -39,19 +42,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class _Graph:
-    """One bucket: the captured graph, its input buffers and its output."""
+    """One bucket: the captured graph, its input buffers and its output. ``q``: the tokens each
+    sequence computes (1 for decodes, 1 + k for verification steps)."""
 
-    def __init__(self, size: int, limits: RunnerLimits, device: torch.device) -> None:
-        self.size = size
-        n = size
+    def __init__(self, size: int, limits: RunnerLimits, device: torch.device, q: int = 1) -> None:
+        self.size, self.q = size, q
+        n = size * q
         max_len = limits.max_model_len
         # Host metadata that plans the attention launches at warm-up: every sequence as long
         # as the engine allows, so the split-K factor suits the longest decode.
         self.meta = AttentionMetadata(
-            query_start_loc=np.arange(n + 1, dtype=np.int64),
-            seq_lens=np.full(n, max_len, dtype=np.int64),
-            context_lens=np.full(n, max_len - 1, dtype=np.int64),
-            block_tables=np.zeros((n, 1), dtype=np.int64),
+            query_start_loc=np.arange(size + 1, dtype=np.int64) * q,
+            seq_lens=np.full(size, max_len, dtype=np.int64),
+            context_lens=np.full(size, max_len - q, dtype=np.int64),
+            block_tables=np.zeros((size, 1), dtype=np.int64),
             slot_mapping=np.full(n, -1, dtype=np.int64),
             block_size=limits.block_size,
         )
@@ -60,7 +64,7 @@ class _Graph:
         self.tensors.slot_mapping.fill_(-1)  # warm-up and capture write nothing to the cache
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.packed = np.zeros(3 * n, dtype=np.int32)  # seq_lens | context_lens | slot mapping
+        self.packed = np.zeros(2 * size + n, dtype=np.int32)  # seq_lens | context_lens | slot mapping
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
@@ -73,21 +77,21 @@ class _Graph:
         self.graph = graph
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        s, n = meta.num_seqs, self.size
-        self.ids[:s].copy_(ids)  # rows past s keep earlier valid ids and positions
-        self.positions[:s].copy_(positions)
+        s, n, t = meta.num_seqs, self.size, meta.num_seqs * self.q  # sequences, bucket, tokens
+        self.ids[:t].copy_(ids)  # rows past t keep earlier valid ids and positions
+        self.positions[:t].copy_(positions)
         packed = self.packed
         packed[:s] = meta.seq_lens
         packed[s:n] = 0
         packed[n : n + s] = meta.context_lens
         packed[n + s : 2 * n] = 0
-        packed[2 * n : 2 * n + s] = meta.slot_mapping
-        packed[2 * n + s :] = -1
+        packed[2 * n : 2 * n + t] = meta.slot_mapping
+        packed[2 * n + t :] = -1
         upload(packed, self.packed_device.device, into=self.packed_device)
         tables = meta.block_tables
         upload(tables.astype(np.int32), self.packed_device.device, into=self.tensors.block_tables[:s, : tables.shape[1]])
         self.graph.replay()
-        return self.output[:s]
+        return self.output[:t]
 
 
 class CudaGraphHooks:
@@ -98,19 +102,27 @@ class CudaGraphHooks:
 
 
 class GraphedForward:
-    """The model forward with decode steps replayed from captured graphs."""
+    """The model forward with decode steps, and verification steps of one shape, replayed from
+    captured graphs."""
 
     def __init__(self, forward: Callable[..., Any], limits: RunnerLimits) -> None:
         self.forward = forward
         self.limits = limits
         self.sizes = capture_sizes(limits.max_num_seqs)
-        self.graphs: dict[int, _Graph] = {}
+        # verification steps: each sequence's last token and k drafts (1.13; an older core's
+        # limits have no such field), in buckets whose tokens fit the step's budget
+        k = getattr(limits, "num_speculative_tokens", 0)
+        self.verify_q = 1 + k if k else None
+        self.verify_sizes = [s for s in self.sizes if s * (1 + k) <= limits.max_num_batched_tokens] if k else []
+        self.uniform_drafts = bool(self.verify_sizes)  # the engine pads drafts to k (API 1.13)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
         self.kv_caches: list | None = None
         self.replays = 0
+        self.verify_replays = 0  # of those, verification steps
 
-    def bucket(self, num_seqs: int) -> int | None:
-        for size in self.sizes:
+    def bucket(self, num_seqs: int, q: int = 1) -> int | None:
+        for size in self.sizes if q == 1 else self.verify_sizes:
             if size >= num_seqs:
                 return size
         return None
@@ -124,6 +136,11 @@ class GraphedForward:
             for size in sorted(self.sizes, reverse=True):
                 self._graph(size, kv_caches, device)
             step.detail = f"batches of {', '.join(map(str, self.sizes))} sequences"
+        if self.verify_sizes:
+            with phase(f"capturing CUDA graphs for {len(self.verify_sizes)} verification batch sizes") as step:
+                for size in sorted(self.verify_sizes, reverse=True):
+                    self._graph(size, kv_caches, device, self.verify_q)
+                step.detail = f"batches of {', '.join(map(str, self.verify_sizes))} sequences of {self.verify_q} tokens"
         with phase("compiling the kernels of eager steps") as step:
             step.detail = f"{self.warm_eager_steps(kv_caches, device)} synthetic steps"
 
@@ -158,24 +175,36 @@ class GraphedForward:
         torch.cuda.synchronize()
         return steps
 
-    def _graph(self, size: int, kv_caches: list, device: torch.device) -> _Graph:
+    def _graph(self, size: int, kv_caches: list, device: torch.device, q: int = 1) -> _Graph:
         if kv_caches is not self.kv_caches:  # a new KV cache: graphs captured on the old are stale
             self.graphs.clear()
             self.kv_caches = kv_caches
-        graph = self.graphs.get(size)
+        graph = self.graphs.get((size, q))
         if graph is None:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = _Graph(size, self.limits, device)
+            graph = _Graph(size, self.limits, device, q)
             graph.capture(self.forward, kv_caches, self.pool)
-            self.graphs[size] = graph
+            self.graphs[(size, q)] = graph
         return graph
+
+    def _shape(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
+        """The tokens each sequence computes, where a graph has the step's shape: 1 (decodes),
+        or 1 + k with every sequence verifying k drafts; None otherwise (eager)."""
+        num_seqs = meta.num_seqs
+        if num_tokens == num_seqs:
+            return 1
+        q = self.verify_q
+        if q and num_tokens == num_seqs * q and (np.diff(meta.query_start_loc) == q).all():
+            return q
+        return None
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
-        num_seqs = meta.num_seqs
-        size = self.bucket(num_seqs)
-        if size is None or ids.shape[0] != num_seqs or ids.device.type != "cuda":
-            return self.forward(ids, positions, kv_caches, meta)  # not a decode step: eager
+        q = self._shape(ids.shape[0], meta) if ids.device.type == "cuda" else None
+        size = None if q is None else self.bucket(meta.num_seqs, q)
+        if size is None:
+            return self.forward(ids, positions, kv_caches, meta)  # a prefill or mixed step: eager
         self.replays += 1
-        return self._graph(size, kv_caches, ids.device).replay(ids, positions, meta)
+        self.verify_replays += q > 1
+        return self._graph(size, kv_caches, ids.device, q).replay(ids, positions, meta)

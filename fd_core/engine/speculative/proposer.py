@@ -43,6 +43,21 @@ def wants_drafts(seq: Sequence) -> bool:
     return seq.grammar is None
 
 
+def pad_drafts(decoding: list[Sequence], k: int, max_model_len: int) -> None:
+    """Give each sequence that verifies drafts ``k`` of them where its limits allow, repeating
+    its last draft (or its last token): for a backend whose verification steps run fastest in
+    one shape (``ModelRunner.pads_drafts``), where a filler costs nothing more and is one more
+    guess, verified like the others."""
+    for seq in decoding:
+        if not wants_drafts(seq) or seq.finished:
+            continue
+        drafts = seq.draft_token_ids
+        want = room(seq, k, max_model_len)
+        if len(drafts) < want:
+            filler = drafts[-1] if drafts else seq.token_at(seq.num_tokens - 1)
+            seq.draft_token_ids = drafts + [filler] * (want - len(drafts))
+
+
 class NgramProposer:
     """Prompt lookup over each sequence's tokens, kept per sequence as a NumPy array that grows
     with its output (a step converts only the new tokens, not the whole sequence)."""

@@ -414,16 +414,17 @@ def step_tensors(meta, device: torch.device) -> StepTensors:
 
 
 def static_step_tensors(meta, device: torch.device, max_blocks: int) -> tuple[StepTensors, torch.Tensor]:
-    """Device metadata for the decode steps of a captured graph (one new token per sequence):
-    fixed buffers, placed in ``meta.device`` so that the kernels captured with ``meta`` read
-    them, and rewritten in place before each replay. ``seq_lens``, ``context_lens`` and the
-    slot mapping (int32 here) are one buffer, so a replay updates them in one copy; the block
-    tables are ``[num_seqs, max_blocks]``, of which a replay writes only the columns in use.
-    Returns the tensors and that one int32 buffer."""
-    n = meta.num_seqs
-    packed = torch.zeros(3 * n, dtype=torch.int32, device=device)
+    """Device metadata for the steps of a captured graph (the same number of new tokens per
+    sequence, ``meta.query_start_loc``'s: one for decodes): fixed buffers, placed in
+    ``meta.device`` so that the kernels captured with ``meta`` read them, and rewritten in place
+    before each replay. ``seq_lens``, ``context_lens`` and the slot mapping (int32 here) are one
+    buffer, so a replay updates them in one copy; the block tables are ``[num_seqs,
+    max_blocks]``, of which a replay writes only the columns in use. Returns the tensors and
+    that one int32 buffer."""
+    n, tokens = meta.num_seqs, int(meta.query_start_loc[-1])
+    packed = torch.zeros(2 * n + tokens, dtype=torch.int32, device=device)
     found = meta.device[f"cuda.step@{device}"] = StepTensors(
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        query_start_loc=torch.from_numpy(np.asarray(meta.query_start_loc, dtype=np.int32)).to(device),
         seq_lens=packed[:n],
         context_lens=packed[n : 2 * n],
         block_tables=torch.zeros((n, max_blocks), dtype=torch.int32, device=device),
