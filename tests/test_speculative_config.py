@@ -62,3 +62,25 @@ def test_prompt_lookup_takes_the_latest_longest_match():
     assert propose(np.array([5, 6, 5]), 2, 1, 4) == [6, 5]
     assert propose(np.array([7]), 3, 1, 4) == []
     assert propose(np.array([8, 8, 8, 8]), 2, 1, 3) == [8]  # (8, 8, 8) at 0, followed by one 8
+
+
+def _lookup(tokens, k, n_min, n_max):
+    """The rule written plainly: every window of every length, longest first, latest first."""
+    tokens = list(tokens)
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n :]
+        for start in range(size - 1 - n, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_prompt_lookup_equals_the_plain_rule():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        size = int(rng.integers(1, 60))
+        seq = rng.integers(0, int(rng.integers(2, 8)), size=size)  # few distinct tokens: many repeats
+        k, low = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 4))
+        assert propose(seq, k, low, high) == _lookup(seq, k, low, high), (seq.tolist(), k, low, high)

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")  # the checkpoints are built with transforme
 from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
 from tests import checkpoints  # noqa: E402
+from tests.test_async_scheduling import async_cpu  # noqa: E402, F401 - a fixture
 from tests.test_speculative_engine import GREEDY, SEEDED, prompts, run, tokens  # noqa: E402
 
 VARIANTS = {
@@ -184,3 +185,16 @@ def test_two_tensor_parallel_ranks_with_a_draft(llama):
         assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0
     finally:
         llm.engine.core.shutdown()
+
+
+def test_draft_passes_chained_on_the_device(llama, references, async_cpu):  # noqa: F811
+    """With the op table's sample_async (registered here for the cpu device) each draft pass
+    takes the drafts before it through ``PendingSample.feed`` and the host reads them all at
+    the end: the same drafts, every one accepted."""
+    from tests.test_async_scheduling import HostFed
+
+    config = {"method": "draft_model", "model": str(llama), "num_speculative_tokens": 3}
+    outs, stats = run(llama, GREEDY, config)
+    assert HostFed.fed > 0  # the passes were fed on the "device"
+    assert tokens(outs) == references[("greedy", "llama")]
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 100, spec_stats(stats)

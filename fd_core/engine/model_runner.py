@@ -254,10 +254,15 @@ class ModelRunner:
         self.forward = model.forward
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
+        # a draft model's forward has the target's signature, so the hook may replace it too
+        # (an MTP layer's reads the target's hidden states besides, and runs as it is)
+        self.proposer_forward = proposer.forward if proposer is not None else None
         if wrap is not None and not enforce_eager:
             # a hook written for API 1.0/1.1 takes the forward alone
             takes_limits = len(inspect.signature(wrap).parameters) >= 2
             self.forward = wrap(model.forward, limits) if takes_limits else wrap(model.forward)
+            if proposer is not None and not getattr(proposer, "reads_target_hidden", False):
+                self.proposer_forward = wrap(proposer.forward, limits) if takes_limits else wrap(proposer.forward)
 
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str, model: Any = None) -> list[tuple[Any, Any]]:
         m = model or self.model  # its own heads: a tensor-parallel rank holds a slice
@@ -288,9 +293,10 @@ class ModelRunner:
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
         if self.proposer is not None:
             self.proposer_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype, self.proposer)
-        warm_up = getattr(self.forward, "warm_up", None)
-        if warm_up is not None:  # e.g. capture graphs before the first request
-            warm_up(self.kv_caches, self.memory.device)
+        for forward, caches in ((self.forward, self.kv_caches), (self.proposer_forward, self.proposer_caches)):
+            warm_up = getattr(forward, "warm_up", None)
+            if warm_up is not None:  # e.g. capture graphs before the first request
+                warm_up(caches, self.memory.device)
 
     def initialize_swap_space(self, num_blocks: int, dtype: str = "float32") -> None:
         self.host_caches = self._allocate(self.memory.allocate_host_kv_cache, num_blocks, dtype)
@@ -424,7 +430,7 @@ class ModelRunner:
         the drafts, ``[S, max(num_drafts)]`` int64 (row ``i`` valid up to ``num_drafts[i]``).
         Every rank of a tensor-parallel model runs it (the logits are gathered on each, and the
         drafts are greedy, so every rank drafts the same tokens)."""
-        model, inputs = self.proposer, plan.inputs
+        model, inputs, forward = self.proposer, plan.inputs, self.proposer_forward
         reads_hidden = getattr(model, "reads_target_hidden", False)
         n, rows = len(inputs.input_ids), len(inputs.logit_rows)
         parts = [model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
@@ -434,30 +440,46 @@ class ModelRunner:
         args = [packed[:n], packed[n : 2 * n], self.proposer_caches, inputs.meta]
         if reads_hidden:  # the target's hidden states at the catch-up's positions (a row gather)
             args.append(self.ops.embedding(self._target_hidden, packed[2 * n + rows :]))
-        hidden = model.forward(*args)
+        hidden = forward(*args)
         self._target_hidden = None
         width = int(plan.num_drafts.max()) if rows else 0
         drafts = np.zeros((rows, width), dtype=np.int64)
         if not rows:
             return drafts
+        # Where the sample can stay on the device (sample_async; one rank, whose token ids are
+        # its embedding's rows), each pass takes the drafts before it there and the host reads
+        # them all at the end, instead of waiting for each pass's.
+        chain = self.ops.has("sample_async") and not model.tp.enabled
+        pending: list[tuple[np.ndarray, Any]] = []
         last = self.ops.embedding(hidden, packed[2 * n : 2 * n + rows])  # each drafting sequence's last row
         active = np.arange(rows)
         for j in range(width):
-            tokens = self.ops.sample(model.compute_logits(last, None), greedy_batch(len(active))).token_ids
-            drafts[active, j] = tokens
+            logits = model.compute_logits(last, None)
+            if chain:
+                drawn = self.ops.sample_async(logits, greedy_batch(len(active)))
+                pending.append((active, drawn))
+            else:
+                drawn = self.ops.sample(logits, greedy_batch(len(active))).token_ids
+                drafts[active, j] = drawn
             going = plan.num_drafts[active] > j + 1
             if not going.any():
                 break
-            active, tokens = active[going], tokens[going]
-            step = ragged_inputs(tokens, plan.block_tables[active], plan.last_positions[active] + j + 1,
-                                 np.ones(len(active), dtype=np.int64), self.block_size)
-            packed = self.memory.from_numpy(np.concatenate([model.local_token_ids(tokens), step.positions,
-                                                            np.flatnonzero(going)]))
+            active = active[going]
             k = len(active)
-            args = [packed[:k], packed[k : 2 * k], self.proposer_caches, step.meta]
+            tokens = np.full(k, PLACEHOLDER, dtype=np.int64) if chain else drawn[going]
+            step = ragged_inputs(tokens, plan.block_tables[active], plan.last_positions[active] + j + 1,
+                                 np.ones(k, dtype=np.int64), self.block_size)
+            packed = self.memory.from_numpy(np.concatenate([model.local_token_ids(tokens), step.positions,
+                                                            np.flatnonzero(going), np.arange(k)]))
+            ids = packed[:k]
+            if chain:  # ids[dest] = the draws of the rows still drafting
+                ids = drawn.feed(ids, packed[3 * k :], packed[2 * k : 3 * k])
+            args = [ids, packed[k : 2 * k], self.proposer_caches, step.meta]
             if reads_hidden:  # its own hidden state stands in for the target's one token ahead
-                args.append(self.ops.embedding(last, packed[2 * k :]))
-            last = model.forward(*args)
+                args.append(self.ops.embedding(last, packed[2 * k : 3 * k]))
+            last = forward(*args)
+        for j, (rows_j, drawn) in enumerate(pending):
+            drafts[rows_j, j] = drawn.result().token_ids
         return drafts
 
 
@@ -498,16 +520,21 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
 
     penalised = first.penalised if shared else any(p.penalised for p in params)
     biased = first.biased if shared else any(p.biased for p in params)
-    outputs = [s.output_token_ids for s in seqs] if ahead is None else [
-        s.output_token_ids + extra if extra else s.output_token_ids for s, extra in zip(seqs, ahead)]
+    ahead = ahead or [()] * len(seqs)
+
+    def history(seq: Sequence, extra: Any) -> list[int]:  # its output and the drafts before the row
+        return seq.output_token_ids + extra if extra else seq.output_token_ids
+
+    steps = np.fromiter((len(s.output_token_ids) + len(extra) for s, extra in zip(seqs, ahead)), dtype=np.int64,
+                        count=len(seqs))
     suppress = []
-    for seq, output in zip(seqs, outputs):
+    for seq, extra, step in zip(seqs, ahead, steps.tolist()):
         banned = _EMPTY
         # min_tokens: the ways a sequence could end are banned until it has produced enough
-        if len(output) < seq.params.min_tokens:
+        if step < seq.params.min_tokens:
             banned = np.union1d(eos_token_ids, np.array(seq.params.stop_token_ids or [], dtype=np.int64))
         if seq.bad_words:
-            banned = np.union1d(banned, bad_words.banned(seq.bad_words, output))
+            banned = np.union1d(banned, bad_words.banned(seq.bad_words, history(seq, extra)))
         suppress.append(banned)
     allowed = None
     if any(s.allowed_tokens is not None for s in seqs):
@@ -526,9 +553,10 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
         frequency_penalty=col("frequency_penalty", np.float32),
         repetition_penalty=col("repetition_penalty", np.float32),
         seeds=np.array([s.seed for s in seqs], dtype=np.int64),
-        steps=np.fromiter(map(len, outputs), dtype=np.int64, count=len(seqs)),
+        steps=steps,
         prompt_token_ids=[np.asarray(s.prompt_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
-        output_token_ids=[np.asarray(o, dtype=np.int64) if penalised else _EMPTY for o in outputs],
+        output_token_ids=[np.asarray(history(s, extra), dtype=np.int64) for s, extra in zip(seqs, ahead)]
+        if penalised else [_EMPTY] * len(seqs),
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
         allowed_token_bitmask=allowed,

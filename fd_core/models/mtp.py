@@ -90,3 +90,7 @@ class MtpLayer:
 
     def local_token_ids(self, ids):
         return self.target.local_token_ids(ids)
+
+    @property
+    def tp(self):
+        return self.target.tp

@@ -2,9 +2,11 @@
 
 A decode step (one new token per sequence) of ``S`` sequences runs as the replay of a graph
 captured for the smallest bucket ``B >= S``. With speculative decoding (``limits.
-num_speculative_tokens`` k), a verification step whose every sequence computes its last token
-and k drafts (``q = 1 + k`` tokens each) replays a graph of its own shape, captured per bucket
-too; the engine pads drafts to k (``uniform_drafts``), so most verification steps have it. The graph was captured with fixed input buffers; a
+num_speculative_tokens`` k), a verification step (each sequence its last token and up to k
+drafts) replays a graph of ``q = 1 + k`` rows a sequence, captured per bucket too: a sequence
+with fewer tokens is padded inside the graph (rows that write nothing and that nothing reads),
+so a step replays whatever drafts the scheduler let each sequence verify; the engine pads
+drafts to k all the same (``uniform_drafts``), since a filler costs nothing there and may hold. The graph was captured with fixed input buffers; a
 replay first writes the step into them: token ids and positions (device to device: the runner
 has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
@@ -77,21 +79,38 @@ class _Graph:
         self.graph = graph
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        s, n, t = meta.num_seqs, self.size, meta.num_seqs * self.q  # sequences, bucket, tokens
-        self.ids[:t].copy_(ids)  # rows past t keep earlier valid ids and positions
-        self.positions[:t].copy_(positions)
+        """The step's hidden states. A sequence with fewer than ``q`` tokens (a verification
+        step where some have fewer drafts) has them at the head of its ``q`` rows: the rest are
+        padding, whose keys and values are not written (slot -1) and whose outputs are not
+        read, and which no real row attends to (a row sees keys up to its own position)."""
+        s, n, q = meta.num_seqs, self.size, self.q  # sequences, bucket, rows a sequence
+        num = len(meta.slot_mapping)
         packed = self.packed
         packed[:s] = meta.seq_lens
         packed[s:n] = 0
         packed[n : n + s] = meta.context_lens
         packed[n + s : 2 * n] = 0
-        packed[2 * n : 2 * n + t] = meta.slot_mapping
-        packed[2 * n + t :] = -1
-        upload(packed, self.packed_device.device, into=self.packed_device)
+        slots = packed[2 * n :]
+        device = self.packed_device.device
+        index = None
+        if num == s * q:  # every sequence has q tokens: rows in order
+            self.ids[:num].copy_(ids)  # rows past num keep earlier valid ids and positions
+            self.positions[:num].copy_(positions)
+            slots[:num] = meta.slot_mapping
+            slots[num:] = -1
+        else:
+            qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
+            rows = np.repeat(np.arange(s, dtype=np.int64) * q - qsl[:-1], np.diff(qsl)) + np.arange(num)
+            slots.fill(-1)
+            slots[rows] = meta.slot_mapping
+            index = upload(rows, device)
+            self.ids.index_copy_(0, index, ids)  # padding rows keep earlier valid ids and positions
+            self.positions.index_copy_(0, index, positions)
+        upload(packed, device, into=self.packed_device)
         tables = meta.block_tables
-        upload(tables.astype(np.int32), self.packed_device.device, into=self.tensors.block_tables[:s, : tables.shape[1]])
+        upload(tables.astype(np.int32), device, into=self.tensors.block_tables[:s, : tables.shape[1]])
         self.graph.replay()
-        return self.output[:t]
+        return self.output[:num] if index is None else self.output.index_select(0, index)
 
 
 class CudaGraphHooks:
@@ -189,13 +208,14 @@ class GraphedForward:
         return graph
 
     def _shape(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
-        """The tokens each sequence computes, where a graph has the step's shape: 1 (decodes),
-        or 1 + k with every sequence verifying k drafts; None otherwise (eager)."""
+        """The rows a sequence has in the graph that runs the step: 1 (decodes), or 1 + k
+        where no sequence computes more than 1 + k tokens (a verification step; one with
+        fewer is padded); None otherwise (a longer prefill chunk: eager)."""
         num_seqs = meta.num_seqs
         if num_tokens == num_seqs:
             return 1
         q = self.verify_q
-        if q and num_tokens == num_seqs * q and (np.diff(meta.query_start_loc) == q).all():
+        if q and num_tokens <= num_seqs * q and np.diff(meta.query_start_loc).max() <= q:
             return q
         return None
 
