@@ -49,6 +49,13 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     (["--tensor-parallel-size", "2", "--enable-expert-parallel"],
      "--enable-expert-parallel: LlamaForCausalLM has no mixture-of-experts layers"),
     (["--dtype", "bfloat16"], "--dtype bfloat16: the cpu backend"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "--speculative-config: num_speculative_tokens must be an integer from 1 to 16, got 0"),
+    (["--speculative-config", "{ngram"], "--speculative-config is not valid JSON"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
+     "--async-scheduling: speculative decoding (--speculative-config) needs each step's accepted tokens"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+     "--speculative-config: method 'mtp' needs the MTP layer's weights (model.mtp_*)"),
 ])
 def test_flags_the_backend_cannot_honour_fail_at_start_up(flag, message):
     out = fd("generate", "hi", "--device", "cpu", *flag, timeout=60)
