@@ -56,6 +56,7 @@ class ModelProposer:
         tables, starts, counts, hidden_rows = [], [], [], []
         drafting: list[tuple[Sequence, int, int, int]] = []  # (sequence, its table, its last row, drafts)
         row = 0  # the step's rows: each scheduled sequence's tokens in order
+        total = 0  # the catch-up's tokens so far
         for s in scheduled:
             seq = s.seq
             first_row, row = row, row + s.num_new
@@ -90,9 +91,10 @@ class ModelProposer:
             tables.append(seq.block_table)
             starts.append(start)
             counts.append(end - start)
+            total += end - start
             seq.proposer_computed = end
             if k:
-                drafting.append((seq, len(tables) - 1, sum(counts) - 1, k))
+                drafting.append((seq, len(tables) - 1, total - 1, k))
         if not counts:
             return
         inputs = ragged_inputs(np.asarray(ids, dtype=np.int64), tables, np.asarray(starts, dtype=np.int64),
