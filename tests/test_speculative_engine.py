@@ -268,3 +268,26 @@ def test_padded_drafts_where_the_backend_wants_one_shape(model_dir, references):
     decode_steps = [s for s in shapes[1:] if s]
     # after the prompts every step verifies 3 drafts a sequence, until max_tokens leaves less room
     assert all(all(k == 3 for k in s) for s in decode_steps[:6])
+
+
+def test_prompt_logprobs_and_tensor_parallel_ranks_with_ngram(model_dir):
+    """Prompt logprobs are scored while the prompt prefills (no drafts then), and two gloo
+    ranks verify drafts as one process does."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=2)
+    want, _ = run(model_dir, params, n_prompts=4)
+    got, stats = run(model_dir, params, NGRAM, n_prompts=4)
+    assert stats["spec_draft_tokens"] > 0
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose([v.logprob for v in x.values()], [v.logprob for v in y.values()], atol=1e-4)
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=256, tensor_parallel_size=2,
+              speculative_config=NGRAM)
+    try:
+        two = tokens(llm.generate(prompts(4), GREEDY, use_tqdm=False))
+        assert llm.engine.stats["spec_accepted_tokens"] > 0
+    finally:
+        llm.engine.core.shutdown()
+    assert two == tokens(run(model_dir, GREEDY, n_prompts=4)[0])
