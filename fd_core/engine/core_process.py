@@ -19,7 +19,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from typing import Any
@@ -28,12 +27,12 @@ import msgspec
 import zmq
 
 from fd_core.engine.config import EngineConfig
+from fd_core.engine.parent import watch_parent
 from fd_core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("fd.engine")
 
 HEARTBEAT_S = 0.25  # idle stats interval; also how often an idle core looks for its parent
-_PARENT_CHECK_S = 1.0  # the watchdog thread's period, for a core busy in a long step
 
 
 # -- client -> core --------------------------------------------------------------------------
@@ -214,20 +213,6 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
         sys.stderr.flush()
         if code:
             os._exit(code)
-
-
-def watch_parent(parent_pid: int) -> None:
-    """Exit if the parent dies while the main thread is busy (loading a model, a long step):
-    re-parenting changes our parent pid. The engine core's idle loop checks too, and exits
-    cleanly; tensor-parallel workers rely on this alone."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(_PARENT_CHECK_S)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="fd-parent-watch", daemon=True).start()
 
 
 def _stats(core) -> Stats:

@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.core_process import watch_parent
+from fd_core.engine.parent import watch_parent
 from fd_core.engine.model_runner import (
     PLACEHOLDER,
     Feed,
