@@ -424,7 +424,6 @@ class ModelRunner:
         del logits  # the prompt rows' logits need not sit beside them (what profiling measured)
         return drawn, self._score_prompts(inputs, hidden, packed, lead)
 
-
     def propose(self, plan: ProposalPlan) -> np.ndarray:
         """Run the proposer's model on ``plan``: its catch-up, then one pass per further draft;
         the drafts, ``[S, max(num_drafts)]`` int64 (row ``i`` valid up to ``num_drafts[i]``).
