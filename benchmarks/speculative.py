@@ -57,14 +57,10 @@ def timed(llm: LLM, chats: list, tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def memory(args: argparse.Namespace) -> dict:
-    """Two engines share the device: each a KV cache of a fixed size, not a share of what is free."""
-    return {} if args.device == "cpu" else {"kv_cache_memory_gb": 4.0}
-
-
 def quote(args: argparse.Namespace) -> dict:
+    # two engines share the device: each a KV cache of a fixed size, not a share of what is free
     engine = dict(device=args.device, max_model_len=2048, max_num_seqs=max(args.batch), dtype=args.dtype,
-                  **memory(args))
+                  kv_cache_memory_gb=2.0)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
     report = {"model": args.model, "device": args.device, "speculative_config": spec, "tokens": args.tokens,
@@ -111,7 +107,7 @@ def step_cost(args: argparse.Namespace) -> dict:
     target = checkpoints.make_config_only(tmp, Ernie4_5Config, "target", **shape)
     draft = checkpoints.make_config_only(tmp, Ernie4_5Config, "draft", **{**shape, "num_hidden_layers": args.draft_layers})
     engine = dict(device=args.device, load_format="dummy", max_model_len=2048, max_num_seqs=max(args.batch),
-                  dtype=args.dtype, **memory(args))
+                  dtype=args.dtype, kv_cache_memory_gb=2.0)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": args.k}
     llms = {"plain": LLM(str(target), **engine), "draft": LLM(str(target), speculative_config=spec, **engine)}
     report = {"shape": shape, "draft_layers": args.draft_layers, "k": args.k, "batches": {}}
@@ -130,7 +126,7 @@ def step_cost(args: argparse.Namespace) -> dict:
                 llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
                 prefill = time.perf_counter() - first
                 steps = llm.engine.stats["steps"] - steps0 - 2  # less the two prefill steps
-                runs.append(((first - start) - prefill) / max(1, steps - 0) * 1e3)
+                runs.append(((first - start) - prefill) / max(1, steps) * 1e3)
             row[f"{name}_ms_per_step"] = statistics.median(runs)
         ratio = row["draft_ms_per_step"] / row["plain_ms_per_step"]
         row["cost_ratio"] = ratio

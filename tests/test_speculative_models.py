@@ -13,6 +13,7 @@ pytest.importorskip("transformers")  # the checkpoints are built with transforme
 
 from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
+from fd_core.testing.models import write_mtp_weights  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.test_async_scheduling import async_cpu  # noqa: E402, F401 - a fixture
 from tests.test_speculative_engine import GREEDY, SEEDED, prompts, run, tokens  # noqa: E402
@@ -33,7 +34,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ernie(tmp_path_factory):
-    return checkpoints.add_mtp_weights(checkpoints.make_ernie45(tmp_path_factory.mktemp("ernie")))
+    return write_mtp_weights(checkpoints.make_ernie45(tmp_path_factory.mktemp("ernie")))
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_speculative_methods_where_declared(fd_backend, tiny, tmp_path, method):
     else:  # the MTP layer's weights beside a copy of the model
         shutil.copytree(folder, tmp_path / "with-mtp")
         folder = tmp_path / "with-mtp"
-        write_mtp_weights(folder, TinyLlama())
+        write_mtp_weights(folder)
     llm = LLM(str(folder), device=fd_backend.device, runtime=fd_backend.runtime, dtype=fd_backend.dtype,
               max_model_len=128, max_num_seqs=4, num_kv_blocks=48, speculative_config=config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

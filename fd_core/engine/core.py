@@ -25,7 +25,13 @@ from fd_core.engine.config import (
     GiB,
 )
 from fd_core.engine.executor import Executor, Workers, rendezvous_address
-from fd_core.engine.loading import describe, load_runner, open_checkpoint, proposer_cache_shape
+from fd_core.engine.loading import (
+    describe,
+    load_runner,
+    open_checkpoint,
+    open_proposer,
+    proposer_cache_shape,
+)
 from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored, StepResult
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -200,8 +206,10 @@ class EngineCore:
             step.detail = describe(checkpoint)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        # the speculative proposer's own model: (KV-cache layers, key-value heads, head size)
-        self._proposer_cache = proposer_cache_shape(config, checkpoint)
+        # the checkpoint of the speculative proposer's own model, if it has one, and the shape of
+        # its KV cache (layers, key-value heads, head size)
+        proposer_source = open_proposer(config, checkpoint)
+        self._proposer_cache = proposer_cache_shape(config, checkpoint, proposer_source)
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ConfigError(
@@ -219,7 +227,8 @@ class EngineCore:
         self.tp = TensorParallel(0, world, expert_parallel=config.enable_expert_parallel)
         self.tp.check(self.model_config, moe_spec(self.model_config))  # before any process starts
         if world == 1:
-            runner = load_runner(config, self.platform, registry, checkpoint=checkpoint)
+            runner = load_runner(config, self.platform, registry, checkpoint=checkpoint,
+                                 proposer_source=proposer_source)
             self.executor = Executor(config.block_size, self.eos_token_ids, runner=runner)
             self.memory, self.ops = runner.memory, runner.ops
         else:

@@ -47,9 +47,9 @@ def describe(checkpoint: Any) -> str:
 
 
 def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: int = 0, world_size: int = 1,
-                comm: Communicator | None = None, checkpoint: Any = None) -> ModelRunner:
+                comm: Communicator | None = None, checkpoint: Any = None, proposer_source: Any = None) -> ModelRunner:
     """``config.max_model_len`` must be resolved. ``checkpoint`` is loaded from ``config.model``
-    when not given."""
+    when not given, and the speculative proposer's (``open_proposer``) likewise."""
     from fd_core.models import TensorParallel, build_model
 
     if checkpoint is None:
@@ -75,9 +75,8 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
         step.detail = f"{count} tensors" + (f", rank {rank} of {world_size}" if world_size > 1 else "")
     if quantize is not None:
         quantize.report()
-    proposer = None
-    if config.speculative_config is not None and config.speculative_config.method != "ngram":
-        proposer = load_proposer_model(config, model, checkpoint, ops, memory, tp, quantize)
+    source = proposer_source or open_proposer(config, checkpoint)
+    proposer = None if source is None else load_proposer_model(config, model, source, ops, memory, tp, quantize)
     spec = config.speculative_config
     limits = RunnerLimits(config.max_num_seqs, config.max_model_len, config.max_num_batched_tokens,
                           config.block_size, spec.num_speculative_tokens if spec is not None else 0)
@@ -92,38 +91,43 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
                    skip_tokenizer_init=True, quantization=None, quantization_group_size=None)
 
 
-def proposer_cache_shape(config: EngineConfig, target: Any) -> tuple[int, int, int] | None:
-    """The KV-cache layers, key-value heads and head size of the speculative proposer's model
-    (None for a proposer without one), once checked against the target's checkpoint
-    ``target``: a draft model whose vocabulary is not the target's, or ``mtp`` on a checkpoint
-    without MTP weights, stop start-up naming the flag, before anything loads."""
+def open_proposer(config: EngineConfig, target: Any) -> Any:
+    """The checkpoint the speculative proposer's model is read from — the draft model's, or for
+    ``mtp`` the folder ``model`` names, else the target's own (``target``) — checked before
+    anything loads: a draft model whose vocabulary is not the target's, or ``mtp`` where there
+    are no MTP weights, stop start-up naming the flag. None for a proposer without a model."""
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
         return None
-    c = target.config
-    if spec.method == "mtp":
-        source = open_checkpoint(draft_engine_config(config)) if spec.model else target
-        if not source.extra_names(MTP_PREFIX):
-            raise ConfigError(f"{SPECULATIVE_FLAG}: method 'mtp' needs the MTP layer's weights ({MTP_PREFIX}*), "
-                              f"and {source.path} has none")
-        return 1, c.num_key_value_heads, c.head_dim
-    draft = open_checkpoint(draft_engine_config(config)).config
-    if draft.vocab_size != c.vocab_size:
-        raise ConfigError(f"{SPECULATIVE_FLAG}: the draft model {spec.model} has a vocabulary of {draft.vocab_size} "
-                          f"tokens and the target {c.vocab_size}; a draft model must share the target's vocabulary")
-    return draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim
+    source = open_checkpoint(draft_engine_config(config)) if spec.model else target
+    if spec.method == "mtp" and not source.extra_names(MTP_PREFIX):
+        raise ConfigError(f"{SPECULATIVE_FLAG}: method 'mtp' needs the MTP layer's weights ({MTP_PREFIX}*), "
+                          f"and {source.path} has none")
+    vocab, own = source.config.vocab_size, target.config.vocab_size
+    if spec.method == "draft_model" and vocab != own:
+        raise ConfigError(f"{SPECULATIVE_FLAG}: the draft model {spec.model} has a vocabulary of {vocab} "
+                          f"tokens and the target {own}; a draft model must share the target's vocabulary")
+    return source
 
 
-def load_proposer_model(config: EngineConfig, target: Any, checkpoint: Any, ops: Any, memory: Memory,
+def proposer_cache_shape(config: EngineConfig, target: Any, source: Any) -> tuple[int, int, int] | None:
+    """The KV-cache layers, key-value heads and head size of the proposer's model read from
+    ``source`` (``open_proposer``; None: no model): an MTP layer is one of the target's layers."""
+    if source is None:
+        return None
+    c = target.config if config.speculative_config.method == "mtp" else source.config
+    layers = 1 if config.speculative_config.method == "mtp" else c.num_hidden_layers
+    return layers, c.num_key_value_heads, c.head_dim
+
+
+def load_proposer_model(config: EngineConfig, target: Any, source: Any, ops: Any, memory: Memory,
                         tp: Any, quantize: LoadQuantization | None = None) -> Any:
-    """The proposer's model beside the loaded ``target`` (read from ``checkpoint``): the draft
-    model on the same ops, memory and ranks, or the MTP layer (from the target's checkpoint,
-    or from the folder the config's ``model`` names)."""
+    """The proposer's model beside the loaded ``target``, read from ``source``
+    (``open_proposer``): the draft model on the same ops, memory and ranks, or the MTP layer."""
     from fd_core.models import build_model
 
     spec = config.speculative_config
     with phase(f"loading the {spec.method} proposer") as step:
-        source = open_checkpoint(draft_engine_config(config)) if spec.model else checkpoint
         if spec.method == "mtp":
             model = MtpLayer(target)
             model.load_weights(source.extra_weights(MTP_PREFIX), quantize)

@@ -124,6 +124,29 @@ class Layer:
     k_norm: Tensor | None
 
 
+def collect_weights(weights: Iterable[tuple[str, HostWeight]], expected: dict[str, tuple[int, ...]],
+                    quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> dict[str, HostWeight]:
+    """The ``expected`` weights (HF name -> shape) of a stream, checked, each linear
+    (``*_proj.weight``) quantized as it arrives; others are skipped (e.g. rotary_emb.inv_freq
+    buffers: derived, not loaded). A wrong shape or a missing tensor is a CheckpointError
+    naming it."""
+    host: dict[str, HostWeight] = {}
+    for name, array in weights:
+        want = expected.get(name)
+        if want is None:
+            continue
+        if tuple(array.shape) != want:
+            raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
+        if quantize is not None and name.endswith("_proj.weight"):  # the decoder's linears
+            array = quantize(name, array)
+        host[name] = array
+    missing = [n for n in expected if n not in host]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
+    return host
+
+
 class DecoderForCausalLM:
     """A causal LM over the paged KV cache. ``forward`` returns hidden states of every token of
     the step; ``compute_logits`` projects only the rows that will be sampled.
@@ -173,21 +196,7 @@ class DecoderForCausalLM:
         it) and is dequantized here otherwise, with one log line per method."""
         # with experts dealt out, other ranks' experts are skipped as the checkpoint streams by
         mine = None if self.moe is None else self.tp.local_experts(self.moe.num_experts)
-        expected = self.traits.weight_shapes(self.config, mine)
-        host: dict[str, HostWeight] = {}
-        for name, array in weights:
-            want = expected.get(name)
-            if want is None:
-                continue  # e.g. rotary_emb.inv_freq buffers: derived, not loaded
-            if tuple(array.shape) != want:
-                raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
-            if quantize is not None and name.endswith("_proj.weight"):  # the decoder's linears
-                array = quantize(name, array)
-            host[name] = array
-        missing = [n for n in expected if n not in host]
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
+        host = collect_weights(weights, self.traits.weight_shapes(self.config, mine), quantize)
         self._dequantized.clear()
         self._unfused.clear()
         self._upload(host)

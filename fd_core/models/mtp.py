@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from fd_core.errors import CheckpointError
 from fd_core.interfaces import AttentionMetadata, QuantizedWeight
-from fd_core.models.decoder import DecoderForCausalLM
+from fd_core.models.decoder import DecoderForCausalLM, collect_weights
 from fd_core.quantization.host import HostWeight, as_float
 
 Tensor = Any
@@ -52,21 +51,10 @@ class MtpLayer:
 
     def load_weights(self, weights: Iterable[tuple[str, HostWeight]],
                      quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> None:
-        """``weights``: the checkpoint's ``model.mtp_*`` tensors (others are ignored)."""
-        expected = mtp_weight_shapes(self.target)
-        host: dict[str, HostWeight] = {}
-        for name, array in weights:
-            want = expected.get(name)
-            if want is None:
-                continue
-            if tuple(array.shape) != want:
-                raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
-            if quantize is not None and name.startswith(BLOCK) and name.endswith("_proj.weight"):
-                array = quantize(name, array)
-            host[name] = array
-        missing = [n for n in expected if n not in host]
-        if missing:
-            raise CheckpointError(f"the checkpoint lacks the MTP weights {missing[:3]}")
+        """``weights``: the checkpoint's ``model.mtp_*`` tensors (others are ignored); the
+        block's linears quantized as the target's (the projection, ``mtp_linear_proj.0``, is
+        not a ``*_proj.weight``)."""
+        host = collect_weights(weights, mtp_weight_shapes(self.target), quantize)
         t, h = self.target, self.target.config.hidden_size
         up = t.to_device
         self.emb_norm = up(host.pop("model.mtp_emb_norm.0.weight"), norm=True)

@@ -96,21 +96,29 @@ def write_checkpoint(folder: Path, shape: TinyLlama = TinyLlama(), seed: int = 0
     return weights
 
 
-def write_mtp_weights(folder: Path, shape: TinyLlama = TinyLlama(), seed: int = 1) -> None:
+def write_mtp_weights(folder: Path, seed: int = 1) -> Path:
     """Random weights of a multi-token-prediction layer (``fd_core/models/mtp.py``: ERNIE 4.5's
-    names) in a file of their own beside the checkpoint, for the ``mtp`` proposer."""
+    names) for the model in ``folder`` (its config.json gives the shapes), in a file of their
+    own beside its checkpoint: what the ``mtp`` proposer reads."""
     from safetensors.numpy import save_file
 
-    layer = random_weights(TinyLlama(**{**shape.__dict__, "num_hidden_layers": 1}), seed)
-    rng = np.random.default_rng(seed)
-    h = shape.hidden_size
-    weights = {k.replace("model.layers.0.", "model.mtp_block.0."): v for k, v in layer.items() if ".layers.0." in k}
-    weights |= {
+    folder = Path(folder)
+    c = json.loads((folder / "config.json").read_text())
+    layer = TinyLlama(hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"], num_hidden_layers=1,
+                      num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"])
+    if (c.get("head_dim") or layer.head_dim) != layer.head_dim:
+        raise ValueError(f"{folder}: a head size other than hidden_size / num_attention_heads is not drawn here")
+    h = layer.hidden_size
+    weights = random_weights(layer, seed)
+    rng = np.random.default_rng(seed + 1)
+    out = {k.replace("model.layers.0.", "model.mtp_block.0."): v for k, v in weights.items() if ".layers.0." in k}
+    out |= {
         "model.mtp_emb_norm.0.weight": (1.0 + 0.2 * rng.standard_normal(h)).astype(np.float32),
         "model.mtp_hidden_norm.0.weight": (1.0 + 0.2 * rng.standard_normal(h)).astype(np.float32),
         "model.mtp_linear_proj.0.weight": (rng.standard_normal((h, 2 * h)) / np.sqrt(2 * h)).astype(np.float32),
     }
-    save_file(weights, str(Path(folder) / "mtp.safetensors"))
+    save_file(out, str(folder / "mtp.safetensors"))
+    return folder
 
 
 def _forward(weights: dict[str, np.ndarray], shape: TinyLlama, ids: list[int]) -> np.ndarray:

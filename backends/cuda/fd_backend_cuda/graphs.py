@@ -215,7 +215,7 @@ class GraphedForward:
         if num_tokens == num_seqs:
             return 1
         q = self.verify_q
-        if q and num_tokens <= num_seqs * q and np.diff(meta.query_start_loc).max() <= q:
+        if q and np.diff(meta.query_start_loc).max() <= q:
             return q
         return None
 

@@ -45,9 +45,10 @@ def _generate(path, params, speculative=None, enforce_eager=False, oracle=None, 
 
 @pytest.fixture(scope="module")
 def ernie_mtp(tmp_path_factory):
+    from fd_core.testing.models import write_mtp_weights
     from tests import checkpoints
 
-    return checkpoints.add_mtp_weights(checkpoints.make_ernie45(tmp_path_factory.mktemp("ernie-mtp")))
+    return write_mtp_weights(checkpoints.make_ernie45(tmp_path_factory.mktemp("ernie-mtp")))
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
