@@ -60,6 +60,45 @@ def test_quantized_linear_matches_the_spec(method, group, zeros, layout, rows, d
                                **spec.tolerance("linear", "bfloat16" if dtype != torch.float32 else "float32", method))
 
 
+@pytest.mark.parametrize("out_f, in_f, group, zeros", [
+    (4096, 4096, 128, True),  # split K: the workspace and its last-arriving program
+    (6144, 4096, 128, False),
+    (1000, 14336, 128, True),  # a partial output tile, seven 2,048-column blocks
+    (200, 2048, 64, True),  # half-chunks of 64 columns
+    (256, 4096, -1, True),  # one group per row
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_one_row_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype):
+    """One row of activations goes through kernels/int4_gemv.py; its split-K workspace cleans
+    itself, so replays of a CUDA graph (and calls after them) keep matching the spec (a stale
+    workspace would add the previous call's sums). Equal to the bit only without split K: the
+    float32 partial sums arrive in any order."""
+    from fd_backend_cuda.kernels import int4_gemv
+
+    rng = np.random.default_rng(out_f + in_f)
+    w = (rng.standard_normal((out_f, in_f)) * in_f**-0.5).astype(np.float32)
+    qw = quantize(w, "wint4", group, zeros)
+    packed = pack_linear(_on_gpu(qw))
+    x = torch.from_numpy(rng.standard_normal((1, in_f)).astype(np.float32)).cuda().to(dtype)
+    chunk = 2 * 128 if group in (-1, 128) else 2 * 64
+    assert int4_gemv.supports(x, packed, chunk // 2)
+    want = spec.linear(x.float().cpu().numpy(), qw)
+    tolerance = spec.tolerance("linear", "bfloat16", "wint4")
+    first = linear(x, packed)
+    np.testing.assert_allclose(first.float().cpu().numpy(), want, **tolerance)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        captured = linear(x, packed)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        np.testing.assert_allclose(captured.float().cpu().numpy(), want, **tolerance)
+        torch.testing.assert_close(captured, first, rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(linear(x, packed).float().cpu().numpy(), want, **tolerance)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="cuBLAS's block-scaled FP8 recipe (W8A8) runs on sm90")
 @pytest.mark.parametrize("rows", [16, 33, 130, 512])

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 
+from fd_backend_cuda.kernels import int4_gemv
+
 METHODS = ("wint8", "wint4", "block_wise_fp8")
 _CODES = {"cuda_w8": 0, "cuda_w4": 1, "cuda_fp8": 2}
 _DOT_DTYPES = (torch.float16, torch.bfloat16)
@@ -228,6 +230,8 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
     if chunk is not None:
         u = (weight.qweight.to(torch.int16) + 8).to(torch.uint8).reshape(out_features, -1, 2, chunk // 2)
         packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+        if packed.is_cuda:
+            int4_gemv.reserve(packed.device, out_features)
         return QuantizedWeight("wint4", packed, weight.scales.float().contiguous(), group, weight.shape,
                                None if weight.zeros is None else weight.zeros.float().contiguous(), "cuda_w4")
     if weight.method == "wint8" and step is not None:
@@ -345,6 +349,13 @@ def _config(m: int, n: int, k: int, step: int, sms: int, int4: bool) -> Config:
 _SMS: dict[int, int] = {}
 
 
+def _sms(device: torch.device) -> int:
+    index = device.index or 0
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            config: Config | None = None) -> torch.Tensor:
     """``config`` overrides the tile choice (the tile sweep in benchmarks/)."""
@@ -365,6 +376,12 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     m = x2.shape[0]
     if not m:
         return x.new_empty((*shape[:-1], out_features))
+    step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
+    if config is None and kind == 1 and int4_gemv.supports(x2, weight, step // 2):
+        y = int4_gemv.int4_gemv(x2, weight, step // 2, _sms(x.device))
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*shape[:-1], out_features)
     if config is None and m >= W8A8_MIN_ROWS and _w8a8_ready(weight, x2):
         y = w8a8_linear(x2, weight)
         if bias is not None:
@@ -375,10 +392,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         dense = dequantize(weight, dot_x.dtype)
         y = torch.nn.functional.linear(dot_x, dense, None if bias is None else bias.to(dot_x.dtype))
         return y.to(x.dtype).reshape(*shape[:-1], out_features)
-    device = x.device.index or 0
-    sms = _SMS.get(device) or _SMS.setdefault(device, torch.cuda.get_device_properties(device).multi_processor_count)
-    step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
-    block_m, block_n, block_k, split, warps, stages = config or _config(m, out_features, in_features, step, sms, kind == 1)
+    block_m, block_n, block_k, split, warps, stages = config or _config(m, out_features, in_features, step,
+                                                                         _sms(x.device), kind == 1)
     if kind == 1:
         block_k = step  # the int4 layout's chunk: the kernel reads the weight in exactly these
     k_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k

@@ -1,0 +1,159 @@
+"""wint4 at batch 1 (one row of activations, a decode step of one sequence): ``y = x @ w.T``
+from the ``cuda_w4`` layout at close to HBM speed.
+
+Why a kernel of its own: the tiled kernel of ``quantized_linear`` pads the one row to 16 and
+applies the group scales after every K step; at one row that loop, not the memory, bounds it
+(0.65-0.93 TB/s on Llama-3-8B's shapes, H100). Here (``benchmarks/bench_int4_decode.py``):
+
+- the weight is the dot's A operand (``BLOCK_N`` rows, Hopper's wgmma reads it from registers)
+  and the unpacking is PTX (two bytes become two bf16/fp16 pairs in four instructions: the
+  nibble OR-ed into the mantissa of 128.0 / 1024.0, the offset taken off after the dot);
+- the dot's ``COLS`` output columns are ``COLS`` different half-chunks: x is loaded as the B
+  tile with its values in column ``2c`` (low halves) or ``2c + 1`` (high halves) of chunk ``c``
+  and zeros elsewhere (zero-filled by the copy, not read), so each column collects one
+  half-chunk's raw sum, and the scales, zeros and offset are applied once per ``COLS / 2``
+  chunks instead of per step;
+- a step reads ``HB`` bytes of each row, which keeps the unpacked tile's registers (and the
+  registers capped at 128) low enough for four programs per SM;
+- split K needs no zeroed output and no cast after: the programs of an output tile add into a
+  float32 workspace and the last one to arrive reads it back (zeroing it) and writes ``y``. The
+  workspace is one per device, reserved at load by ``reserve``, used by one kernel at a time
+  (the engine runs its steps on one stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fd_core.interfaces import QuantizedWeight
+
+BLOCK_N = 64
+COLS = 16
+HB = 64
+# four programs of 4 warps per SM; left to itself ptxas took 128-165 by the variant, and fewer
+# programs per SM cost a third of the speed (gate_up 44.5 against 33.2 us)
+MAX_REGISTERS = 128
+_WORKSPACE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _unpack_asm(magic_pair: int) -> str:
+    """PTX for two bytes (the wgmma A fragment's k pair) -> the pair of low nibbles and the pair
+    of high nibbles, each OR-ed into the mantissa of ``magic_pair``'s halves (MAGIC + nibble)."""
+    return f"""
+    {{
+    .reg .b32 t0, t1;
+    cvt.u32.u16 t0, $2;
+    prmt.b32 t0, t0, 0, 0x4140;
+    lop3.b32 $0, t0, 0x000F000F, {magic_pair:#010x}, 0xEA;
+    shr.b32 t1, t0, 4;
+    lop3.b32 $1, t1, 0x000F000F, {magic_pair:#010x}, 0xEA;
+    }}
+    """
+
+
+# bf16 128 + nibble and fp16 1024 + nibble are exact; the dot's excess (MAGIC + 8) * sum(x) is
+# taken off after it
+_UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300), 136.0), torch.float16: (_unpack_asm(0x64006400), 1032.0)}
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, stride_wn, stride_sn,
+                      HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, UNPACK: tl.constexpr,
+                      MAGIC_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
+                      COLS: tl.constexpr, HALVES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N read row N - 1, never stored
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    col = tl.arange(0, COLS)
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    CHUNKS: tl.constexpr = COLS // 2
+    SUB: tl.constexpr = H // HB
+    for b0 in range(k_begin, k_end, CHUNKS * 2 * H):
+        acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+        for i in range(0, tl.minimum(CHUNKS, (k_end - b0) // (2 * H)) * SUB):
+            c = i // SUB
+            part = (i % SUB) * HB  # the step's bytes within the chunk's H
+            packed = tl.load(w_rows + b0 // 2 + c * H + part + tl.arange(0, HB)[None, :])
+            dtype = x_ptr.dtype.element_ty
+            low, high = tl.inline_asm_elementwise(UNPACK, "=r,=r,h", [packed], dtype=(dtype, dtype),
+                                                  is_pure=True, pack=2)
+            k0 = b0 + c * 2 * H + part
+            rk = k0 + tl.arange(0, HB)
+            x_low = tl.load(x_ptr + rk[:, None] + col[None, :] * 0, mask=(col == 2 * c)[None, :], other=0.0)
+            x_high = tl.load(x_ptr + H + rk[:, None] + col[None, :] * 0, mask=(col == 2 * c + 1)[None, :], other=0.0)
+            acc = tl.dot(low, x_low, acc)
+            acc = tl.dot(high, x_high, acc)
+        # column j is the half-chunk starting at b0 + j * H: its group (HALVES half-chunks to a
+        # group), and the sum of its x
+        start = b0 + col * H
+        j_ok = start < k_end
+        g = (b0 // H + col) // HALVES
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
+        xs = tl.sum(tl.load(x_ptr + start[:, None] + tl.arange(0, H)[None, :], mask=j_ok[:, None],
+                            other=0.0).to(tl.float32), axis=1)
+        # x . (q s + z) with the dot's values MAGIC + q + 8: dot s - (MAGIC + 8) s sum(x) + z sum(x)
+        corr = MAGIC_OFFSET * s
+        if HAS_ZEROS:
+            corr -= tl.load(z_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
+        out += tl.sum(acc * s - corr * xs[None, :], axis=1)
+    if SPLIT:
+        tl.atomic_add(ws_ptr + rn, out, mask=n_ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's add before the arrival (release) below
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == tl.num_programs(1) - 1:
+            total = tl.atomic_xchg(ws_ptr + rn, tl.zeros_like(out), mask=n_ok, sem="relaxed")
+            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+    else:
+        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def reserve(device: torch.device, out_features: int) -> None:
+    """Make the device's split-K workspace (zeroed, self-cleaning) large enough for
+    ``out_features`` outputs. Called at load (``pack_linear``): never inside a graph capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = triton.cdiv(out_features, BLOCK_N) * BLOCK_N
+    have = _WORKSPACE.get(index)
+    if have is None or have[0].numel() < size:
+        _WORKSPACE[index] = (torch.zeros(size, dtype=torch.float32, device=device),
+                             torch.zeros(size // BLOCK_N, dtype=torch.int32, device=device))
+
+
+def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
+    """One row of bf16/fp16 activations, half-chunks of whole ``HB`` steps, a workspace reserved."""
+    if not x2.is_cuda:
+        return False
+    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    have = _WORKSPACE.get(index)
+    return (x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16) and half % HB == 0
+            and have is not None and have[0].numel() >= weight.shape[0])
+
+
+def int4_gemv(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) -> torch.Tensor:
+    """``x2`` ``[1, in]`` times the ``cuda_w4`` weight (half-chunks of ``half`` columns): ``[1, out]``."""
+    out_features, in_features = weight.shape
+    split = 1
+    # at least two programs per SM, each at least two steps long
+    while (triton.cdiv(out_features, BLOCK_N) * split < 2 * sms
+           and in_features // (split * 2) >= 2 * half):
+        split *= 2
+    k_split = triton.cdiv(triton.cdiv(in_features, split), 2 * half) * 2 * half
+    grid = (triton.cdiv(out_features, BLOCK_N), triton.cdiv(in_features, k_split))
+    y = torch.empty((1, out_features), dtype=x2.dtype, device=x2.device)
+    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    ws, counters = _WORKSPACE[index]
+    unpack, offset = _UNPACK[x2.dtype]
+    zeros = weight.zeros
+    _int4_gemv_kernel[grid](
+        x2, weight.qweight, weight.scales, weight.scales if zeros is None else zeros, y, ws, counters,
+        out_features, in_features, k_split, weight.qweight.stride(0), weight.scales.stride(0),
+        HAS_ZEROS=zeros is not None, SPLIT=grid[1] > 1, UNPACK=unpack,
+        MAGIC_OFFSET=offset, BLOCK_N=BLOCK_N, H=half, HB=HB, COLS=COLS,
+        HALVES=weight.group_size // half, num_warps=4, num_stages=4, maxnreg=MAX_REGISTERS)
+    return y
