@@ -43,6 +43,11 @@ class EngineDeadError(FdError, RuntimeError):
     """The engine-core process has died or failed; no request can run until the server restarts."""
 
 
+class SchedulerUnavailableError(FdError, ConnectionError):
+    """The global scheduler (its Redis, or every instance of a role) cannot take the request, or
+    the instance running it stopped; the message names which."""
+
+
 def lone_surrogate(text: str) -> str | None:
     """Where ``text`` holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one), which can be
     neither tokenized nor encoded as UTF-8, as "U+D800 at character 3"; None if nowhere."""

@@ -242,7 +242,7 @@ def test_prefix_cache_across_the_process_boundary(loop, client):
 def test_wire_messages_carry_the_prefix_cache_fields():
     import msgspec
 
-    from fd_core.engine.core_process import AddRequest, ClientMessage, Stats, WireOutput
+    from fd_core.engine.wire import AddRequest, ClientMessage, Stats, WireOutput
 
     decode = msgspec.msgpack.Decoder(ClientMessage).decode
     encode = msgspec.msgpack.encode

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers")  # the checkpoint is built with transformers
 
 from fd_core import LLM, SamplingParams
-from fd_core.engine.core_process import AddRequest, params_from_wire, params_to_wire
+from fd_core.engine.wire import AddRequest, params_from_wire, params_to_wire
 from fd_core.engine.sampling_params import MAX_LOGIT_BIAS
 from fd_core.errors import InvalidRequestError
 from fd_core.plugins import registry as registry_module

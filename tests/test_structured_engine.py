@@ -14,7 +14,7 @@ pytest.importorskip("transformers")  # the checkpoint is built with transformers
 pytest.importorskip("llguidance")
 
 from fd_core import LLM, SamplingParams  # noqa: E402
-from fd_core.engine.core_process import params_from_wire, params_to_wire  # noqa: E402
+from fd_core.engine.wire import params_from_wire, params_to_wire  # noqa: E402
 from fd_core.engine.structured import StructuredOutputsParams as S  # noqa: E402
 from fd_core.engine.structured.params import ascii_classes  # noqa: E402
 from fd_core.errors import InvalidRequestError  # noqa: E402

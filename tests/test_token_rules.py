@@ -11,7 +11,7 @@ pytest.importorskip("transformers")  # the checkpoint is built with transformers
 
 from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.engine import bad_words  # noqa: E402
-from fd_core.engine.core_process import params_from_wire, params_to_wire  # noqa: E402
+from fd_core.engine.wire import params_from_wire, params_to_wire  # noqa: E402
 from fd_core.engine.structured import StructuredOutputsParams as S  # noqa: E402
 from fd_core.errors import InvalidRequestError  # noqa: E402
 from fd_core.plugins import registry as registry_module  # noqa: E402

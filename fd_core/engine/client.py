@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from fd_core import errors
+from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.core import (
     CoreOutput,
@@ -37,7 +38,11 @@ from fd_core.engine.core import (
     check_params,
     check_prompt,
 )
-from fd_core.engine.core_process import (
+from fd_core.engine.core_process import run_core
+from fd_core.engine.output_processor import OutputProcessor
+from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.sampling_params import SamplingParams
+from fd_core.engine.wire import (
     Abort,
     AddRequest,
     ClientMessage,
@@ -48,11 +53,7 @@ from fd_core.engine.core_process import (
     Stats,
     StepOutputs,
     params_to_wire,
-    run_core,
 )
-from fd_core.engine.output_processor import OutputProcessor
-from fd_core.engine.outputs import RequestOutput
-from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import BackendError, EngineDeadError, InvalidRequestError
 from fd_core.loader.tokenizer_api import Tokenizer
 from fd_core.logs import effective_level
@@ -61,6 +62,8 @@ log = logging.getLogger("fd.engine")
 
 _WATCH_S = 0.1  # how often the process is checked for life
 _SHUTDOWN_GRACE_S = 5.0  # a core that has not exited this long after Shutdown is terminated
+_REDIS_TIMEOUT_S = 0.5  # a cluster's Redis call from the event loop blocks at most this long
+_REDIS_POLL_S = 0.5  # how long one wait for a cluster's outputs lasts
 
 
 @dataclass
@@ -74,9 +77,15 @@ class _Stream:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, scheduler: SchedulerConfig | None = None) -> None:
         # use ``await AsyncEngineClient.start(config)``; this only sets the fields
         self.config = config
+        # --scheduler-name global: requests go to this instance's queue in Redis (other
+        # instances may steal them) and their outputs come back through it
+        self.scheduler = scheduler if scheduler is not None and scheduler.is_global else None
+        self._cluster = None  # GlobalScheduler, once started
+        self._cluster_reader = None
+        self._origin = ""
         self.tokenizer: Tokenizer | None = None  # loaded in this process, for the front end
         # from the core's Ready message: the model's and the resolved engine's figures
         self.max_model_len = 0
@@ -115,19 +124,34 @@ class AsyncEngineClient:
     # -- start-up --------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, config: EngineConfig, start_timeout: float = 900.0) -> "AsyncEngineClient":
+    async def start(cls, config: EngineConfig, start_timeout: float = 900.0,
+                    scheduler: SchedulerConfig | None = None) -> "AsyncEngineClient":
         """Spawn the engine-core process and wait until its model is loaded.
 
         A start-up failure in the core is raised here as the same fd error type with the core's
         message; a core that is not ready within ``start_timeout`` seconds raises BackendError.
+        With ``scheduler`` global, a Redis that cannot be reached stops it first
+        (SchedulerUnavailableError, naming the host and port).
         """
-        self = cls(config)
+        self = cls(config, scheduler)
+        if self.scheduler is not None:
+            from fd_core.cluster.global_scheduler import GlobalScheduler, connect
+
+            self.scheduler = self.scheduler.started()
+            self._origin = self.scheduler.instance_id
+            self._cluster = GlobalScheduler(connect(self.scheduler.address, timeout=_REDIS_TIMEOUT_S),
+                                            self.scheduler.topic, None, self.scheduler.ttl, self.scheduler.role)
+            # the outputs' blocking reads get a connection of their own, whose reads may take
+            # longer than one wait
+            self._cluster_reader = GlobalScheduler(connect(self.scheduler.address, timeout=_REDIS_POLL_S + 1.0),
+                                                   self.scheduler.topic, None, self.scheduler.ttl,
+                                                   self.scheduler.role)
         try:
             ctx = multiprocessing.get_context("spawn")
             # daemon: should the caller exit without shutdown(), multiprocessing still ends it
             self._proc = ctx.Process(
                 target=run_core, name="fd-engine-core", daemon=True,
-                args=(config, self._in_address, self._out_address, os.getpid(), effective_level()),
+                args=(config, self._in_address, self._out_address, os.getpid(), effective_level(), self.scheduler),
             )
             self._proc.start()
             # the tokenizer loads here while the core loads the model
@@ -154,6 +178,8 @@ class AsyncEngineClient:
         self._processor = OutputProcessor(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_loop(), name="fd-engine-reader"),
                        asyncio.create_task(self._watch_loop(), name="fd-engine-watch")]
+        if self._cluster is not None:
+            self._tasks.append(asyncio.create_task(self._cluster_loop(), name="fd-cluster-reader"))
         for task in self._tasks:
             task.add_done_callback(self._on_task_done)
         return self
@@ -226,7 +252,9 @@ class AsyncEngineClient:
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         token_ids = [int(t) for t in prompt_token_ids]
-        stream = _Stream(request_id, str(next(self._wire_ids)))
+        # in a cluster the id travels through Redis beside other instances' requests
+        wire_id = f"{self._origin}:{next(self._wire_ids)}" if self._cluster is not None else str(next(self._wire_ids))
+        stream = _Stream(request_id, wire_id)
         self._streams[request_id] = stream
         self._by_wire_id[stream.wire_id] = stream
         self._processor.add_request(request_id, prompt_text, token_ids, params)
@@ -261,11 +289,34 @@ class AsyncEngineClient:
         return self._processor.abort(stream.request_id)
 
     def _send(self, msg: ClientMessage, quiet: bool = False) -> None:
+        if self._cluster is not None and isinstance(msg, (AddRequest, Abort)):
+            self._send_to_cluster(msg, quiet)
+            return
         try:
             self._sender.send(self._encoder.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the core is gone (no peer) or the client is closed
             if not quiet:
                 raise EngineDeadError(f"the engine core cannot be reached ({e})") from None
+
+    def _send_to_cluster(self, msg: AddRequest | Abort, quiet: bool) -> None:
+        import redis
+
+        from fd_core.cluster.instance import abort_key
+
+        try:
+            if isinstance(msg, AddRequest):
+                # this instance's own queue: an idle instance steals from it (FastDeploy's way)
+                self._cluster.submit(self._origin, self._origin, msg.request_id, self._encoder.encode(msg),
+                                     len(msg.token_ids))
+            else:
+                self._cluster.abort(msg.request_id, abort_key(msg.request_id, msg.index))
+        except redis.RedisError as exc:
+            if not quiet:
+                raise errors.SchedulerUnavailableError(
+                    f"the global scheduler's Redis at {self.scheduler.address} is unreachable; the request was "
+                    f"not queued ({exc})") from None
+            log.warning("could not pass an abort to the global scheduler's Redis at %s: %s",
+                        self.scheduler.address, exc)
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:
@@ -291,6 +342,35 @@ class AsyncEngineClient:
                 if stream is not None:
                     self._forget(stream, abort_in_core=False)
                     stream.queue.put_nowait(errors.rebuild(msg.error_type, msg.message, BackendError))
+
+    async def _cluster_loop(self) -> None:
+        """Outputs of this instance's requests, from whichever instance ran them."""
+        import redis
+
+        down_since = None
+        while True:
+            try:
+                batches = await asyncio.to_thread(self._cluster_reader.results, self._origin, _REDIS_POLL_S)
+            except redis.RedisError as exc:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.error("the global scheduler's Redis at %s is unreachable (%s); new requests are refused "
+                              "until it answers", self.scheduler.address, exc)
+                await asyncio.sleep(_REDIS_POLL_S)
+                continue
+            if down_since is not None:
+                log.warning("the global scheduler's Redis at %s answers again", self.scheduler.address)
+                down_since = None
+            received = time.monotonic()
+            for raw in batches:
+                msg = self._decoder.decode(raw)
+                if isinstance(msg, StepOutputs):
+                    self._on_outputs(msg.outputs, received)
+                elif isinstance(msg, Failed) and msg.request_id is not None:
+                    stream = self._by_wire_id.get(msg.request_id)
+                    if stream is not None:
+                        self._forget(stream, abort_in_core=False)
+                        stream.queue.put_nowait(errors.rebuild(msg.error_type, msg.message, BackendError))
 
     def _on_outputs(self, wire_outputs, received: float) -> None:
         outputs = []

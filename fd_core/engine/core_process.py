@@ -7,160 +7,57 @@ both sockets and spawns this process, which connects:
     client PUSH --(AddRequest | Abort | Shutdown)--> core PULL
     client PULL <--(Ready | Failed | StepOutputs)--- core PUSH
 
-Messages are msgpack-encoded ``msgspec.Struct``s sent as arrays (field names never cross).
+The messages are ``wire``'s: msgpack-encoded ``msgspec.Struct``s sent as arrays.
 Every step's outputs travel with the core's current stats; an idle core sends the stats alone
 every ``HEARTBEAT_S``, so the client's metrics stay fresh.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
+from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
-from fd_core.engine.sampling_params import SamplingParams
+from fd_core.engine.wire import (
+    Abort,
+    ClientMessage,
+    Failed,
+    Ready,
+    Shutdown,
+    Stats,
+    StepOutputs,
+    WireOutput,
+    params_from_wire,
+)
+
+if TYPE_CHECKING:
+    from fd_core.cluster.instance import ClusterInbox
 
 log = logging.getLogger("fd.engine")
 
 HEARTBEAT_S = 0.25  # idle stats interval; also how often an idle core looks for its parent
-
-
-# -- client -> core --------------------------------------------------------------------------
-
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request_id: str
-    token_ids: list[int]
-    params: dict[str, Any]  # SamplingParams init fields that differ from the defaults
-    cache_salt: str | None = None  # keeps the request's prefix-cache entries apart from others'
-
-
-class Abort(msgspec.Struct, tag="abort", array_like=True):
-    request_id: str
-    index: int | None = None  # one sequence of the request, or all of them
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-ClientMessage = AddRequest | Abort | Shutdown
-
-
-# -- core -> client --------------------------------------------------------------------------
-
-class Ready(msgspec.Struct, tag="ready", array_like=True):
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_blocks: int
-    max_num_batched_tokens: int  # as resolved against the backend
-    chunked_prefill: bool
-    unavailable: dict[str, str]  # sampling fields the core cannot honour -> why (core.check_params)
-
-
-class Failed(msgspec.Struct, tag="failed", array_like=True):
-    """An error to re-raise on the client's side: for one request when ``request_id`` is set,
-    otherwise for the whole core (at start-up, or a step that raised, after which it exits)."""
-
-    error_type: str
-    message: str
-    request_id: str | None = None
-
-
-class WireOutput(msgspec.Struct, array_like=True):
-    """A ``CoreOutput`` on the wire."""
-
-    request_id: str
-    index: int
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-    finish_reason: str | None
-    stop_reason: int | None
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this sequence
-    time_in_queue: float | None = None  # on a sequence's first token (CoreOutput says what)
-    prefill_time: float | None = None
-    # PromptLogprobs' fields (logprobs, ranks, top), with a request's first token when asked
-    prompt_logprobs: tuple[list[float], list[int], list[list[tuple[int, float]]]] | None = None
-
-
-class Stats(msgspec.Struct, array_like=True):
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_blocks: int = 0  # blocks requests can use: the reserved block 0 is not counted
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    preemptions_total: int = 0  # by swap and by recompute
-    # tokens: the prompt tokens the model actually ran (prefix-cache hits and forks skip some,
-    # recomputation after a preemption repeats some)
-    prompt_tokens_computed_total: int = 0
-    # the prefix cache, in tokens looked up / found at admission (readmissions included)
-    prefix_cache_queried_tokens_total: int = 0
-    prefix_cache_hit_tokens_total: int = 0
-    prefix_cache_hit_rate: float = 0.0  # hit / queried since the core started
-    prefix_cache_blocks: int = 0  # blocks holding a cached prefix now (in use or free)
-    prefix_cache_evictions_total: int = 0
-    swapped_out_total: int = 0  # preemptions by swap to host memory
-    recomputed_total: int = 0  # preemptions by recompute
-    num_swapped: int = 0  # sequences whose KV cache is in host memory now
-    # speculative decoding (vLLM's spec_decode counters): steps of a sequence that verified
-    # drafts, the drafts, those accepted, and those accepted per position (empty: speculation off)
-    spec_drafts_total: int = 0
-    spec_draft_tokens_total: int = 0
-    spec_accepted_tokens_total: int = 0
-    spec_accepted_per_pos: list[int] = []
-
-
-class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: list[WireOutput]
-    stats: Stats
-
-
-CoreMessage = Ready | Failed | StepOutputs
-
-
-# -- SamplingParams across the boundary ------------------------------------------------------
-
-_PARAM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams) if f.init}
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """The init fields of ``params`` that differ from the defaults (most requests send few)."""
-    out = {}
-    for name, default in _PARAM_DEFAULTS.items():
-        value = getattr(params, name)
-        if value != default or type(value) is not type(default):
-            out[name] = list(value) if isinstance(value, tuple) else value
-    if params.structured_outputs is not None:
-        out["structured_outputs"] = params.structured_outputs.to_dict()
-    return out
-
-
-def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
-    # Built anew, so the core validates what it runs rather than trusting the sender.
-    return SamplingParams(**fields)
+CLUSTER_IDLE_POLL_S = 0.01  # how often an idle core of a cluster looks for requests in Redis
 
 
 # -- the process -----------------------------------------------------------------------------
 
 def run_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
-             log_level: int | str | None = None) -> None:
+             log_level: int | str | None = None, scheduler: SchedulerConfig | None = None) -> None:
     """Entry point of the spawned process. Exits non-zero if start-up or a step fails.
-    ``log_level``: the client's (``fd_core.logs.effective_level``); None: ``$FD_LOG_LEVEL``."""
+    ``log_level``: the client's (``fd_core.logs.effective_level``); None: ``$FD_LOG_LEVEL``.
+    ``scheduler``: with ``--scheduler-name global``, requests come from the cluster's Redis
+    (``fd_core.cluster.instance``) and their outputs go back through it; the sockets then carry
+    only the stats and the stop request."""
     from fd_core.logs import configure
 
     configure(log_level, role="engine")  # before anything imports a tensor library
@@ -182,6 +79,11 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             from fd_core.engine.core import EngineCore
 
             core = EngineCore(config)
+            cluster = None
+            if scheduler is not None and scheduler.is_global:
+                from fd_core.cluster.instance import ClusterInbox
+
+                cluster = ClusterInbox(scheduler, config.max_num_seqs)
             # the runtime may have hooked SIGTERM to dump a crash report; from the client it
             # is an ordinary stop request
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -198,12 +100,14 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             chunked_prefill=config.enable_chunked_prefill, unavailable=core.unavailable(),
         )))
         try:
-            _serve(core, inbox, outbox, encoder, parent_pid)
+            _serve(core, inbox, outbox, encoder, parent_pid, cluster)
         except Exception as e:  # a failed step leaves the core's state unknown: report and exit
             traceback.print_exc()
             outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
             code = 1
         finally:
+            if cluster is not None:
+                cluster.leave()
             core.shutdown()  # its tensor-parallel ranks, if any
     finally:
         inbox.close()
@@ -243,7 +147,7 @@ def _wire(o) -> WireOutput:
 
 
 def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,
-           parent_pid: int) -> None:
+           parent_pid: int, cluster: ClusterInbox | None = None) -> None:
     decoder = msgspec.msgpack.Decoder(ClientMessage)
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -251,6 +155,8 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
     while True:
         if not core.has_unfinished_requests():
             wait = max(0.0, HEARTBEAT_S - (time.monotonic() - last_sent))
+            if cluster is not None:  # new work comes from Redis, which cannot wake the poller
+                wait = min(wait, CLUSTER_IDLE_POLL_S)
             poller.poll(int(wait * 1000))
             if os.getppid() != parent_pid:
                 log.warning("the engine client is gone; the engine core exits")
@@ -277,8 +183,13 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
                                  msg.cache_salt)
             except Exception as e:  # this request only; the others go on
                 outbox.send(encoder.encode(Failed(type(e).__name__, str(e), msg.request_id)))
+        if cluster is not None:
+            handled += cluster.poll(core)
         if core.has_unfinished_requests():
             outputs = [_wire(o) for o in core.step()]
+            if cluster is not None:  # every request came through Redis: so do the outputs
+                cluster.publish(core, outputs)
+                outputs = []
         elif handled or time.monotonic() - last_sent >= HEARTBEAT_S:
             outputs = []  # idle: stats only (and at once after an abort freed blocks)
         else:

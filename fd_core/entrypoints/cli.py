@@ -257,6 +257,32 @@ def _model(args: argparse.Namespace) -> str:
     return tag or args.model or DEFAULT_MODEL
 
 
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """FastDeploy's flags for running several instances as one cluster (fd_core.cluster)."""
+    g = p.add_argument_group("cluster (several instances sharing work through Redis)")
+    g.add_argument("--scheduler-name", default="local", choices=("local", "global", "splitwise"),
+                   help="local: this instance alone (default); global: instances take requests from queues in "
+                        "Redis, an idle one stealing from the busiest")
+    g.add_argument("--scheduler-host", default="127.0.0.1", help="the Redis host (default: 127.0.0.1)")
+    g.add_argument("--scheduler-port", type=_port, default=6379, help="the Redis port (default: 6379)")
+    g.add_argument("--scheduler-password", default=None, help="the Redis password, if it has one")
+    g.add_argument("--scheduler-topic", default="default",
+                   help="the cluster's name: instances of one topic share work (default: default)")
+    g.add_argument("--scheduler-ttl", type=_positive_number, default=10.0,
+                   help="seconds without a load report after which an instance counts as dead: its queued "
+                        "requests go to another, its running ones end with an error (default: 10)")
+    g.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
+                   help="mixed (default); prefill and decode are refused until disaggregation lands")
+
+
+def scheduler_config(args: argparse.Namespace):
+    from fd_core.cluster.config import SchedulerConfig
+
+    return SchedulerConfig(name=args.scheduler_name, host=args.scheduler_host, port=args.scheduler_port,
+                           password=args.scheduler_password, ttl=args.scheduler_ttl, topic=args.scheduler_topic,
+                           role=args.role)
+
+
 def engine_config(args: argparse.Namespace):
     from fd_core.engine.config import EngineConfig
     from fd_core.errors import ConfigError
@@ -304,7 +330,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, limits=limits, metrics_port=args.metrics_port,
-                 log_requests=not args.disable_log_requests, parsing=parsing)
+                 log_requests=not args.disable_log_requests, parsing=parsing, scheduler=scheduler_config(args))
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -452,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port, as FastDeploy does (default: only on --port)")
+    add_scheduler_args(p)
     p.add_argument("--host", default="0.0.0.0",
                    help="address to listen on (default: 0.0.0.0, every interface; 127.0.0.1 for this machine only)")
     p.add_argument("--port", type=_port, default=8180, help="1-65535, or 0 for any free port (default 8180)")

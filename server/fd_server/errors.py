@@ -76,7 +76,7 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for any exception a request may raise."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, fd_errors.SchedulerUnavailableError)):
         return engine_unavailable(str(exc))
     if isinstance(exc, PromptTooLongError):
         return bad_request(str(exc), code="context_length_exceeded")

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fd_core import errors
+from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.errors import ConfigError
 from fd_core.logs import configure_default, effective_level
@@ -41,10 +42,13 @@ ENGINE_SHUTDOWN_S = 30.0
 
 def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | Sequence[str] | None,
           api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None,
-          log_requests: bool = True, parsing: ChatParsing | None = None) -> int:
+          log_requests: bool = True, parsing: ChatParsing | None = None,
+          scheduler: SchedulerConfig | None = None) -> int:
     """Run the server until it is stopped; returns the process exit status. ``metrics_port``:
     a second port that serves /metrics alone (FastDeploy's --metrics-port); ``log_requests``:
-    a log line per request received and finished (``--disable-log-requests`` turns them off)."""
+    a log line per request received and finished (``--disable-log-requests`` turns them off);
+    ``scheduler``: how the instance joins a cluster (``--scheduler-name global``): a Redis that
+    cannot be reached stops the start with one line naming its host and port."""
     configure_default(role="server")  # fd serve has configured it already (--log-level)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
@@ -53,6 +57,10 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
     names = ([served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])) \
         or [engine_config.model]
     _check_config(engine_config)
+    if scheduler is not None and scheduler.is_global:
+        from fd_core.cluster.global_scheduler import connect
+
+        connect(scheduler.address).close()  # before minutes of loading: a Redis that is not there
     # Bound before the engine loads (which can take minutes) so a taken port fails at once;
     # nothing listens on it until the engine is ready, so probes see a refused connection.
     try:
@@ -76,7 +84,7 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
-                                  metrics_sock))
+                                  metrics_sock, scheduler))
     except KeyboardInterrupt:
         return 130
     finally:
@@ -168,7 +176,7 @@ def _dead_exit_s() -> float:
 
 async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
                  api_key: str | None, limits: ServerLimits, log_requests: bool, parsing: ChatParsing | None,
-                 metrics_sock: socket.socket | None = None) -> int:
+                 metrics_sock: socket.socket | None = None, scheduler: SchedulerConfig | None = None) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -183,7 +191,7 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
         loop.add_signal_handler(sig, main.cancel)
     log.info("fd: starting the engine for %s", engine_config.model)
     try:
-        client = await AsyncEngineClient.start(engine_config)
+        client = await AsyncEngineClient.start(engine_config, scheduler=scheduler)
     except asyncio.CancelledError:
         log.info("fd: stopped during start-up")
         return 1

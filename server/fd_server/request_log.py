@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any
 
-from fd_core.engine.core_process import params_to_wire
+from fd_core.engine.wire import params_to_wire
 from fd_core.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("fd_server.requests")

@@ -1,0 +1,1 @@
+"""fd across instances: the global scheduler on Redis (``global_scheduler``)."""

@@ -1,0 +1,165 @@
+"""An engine core's side of the global scheduler: it pulls requests while it has room (its own
+queue first, then stealing), reports its load, takes dead instances' queues over, and sends
+each request's outputs to whoever submitted it.
+
+Redis going away must not stop the requests already running: an error is logged once, the
+outputs wait here (``MAX_PENDING`` at most) and go out when Redis answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from fd_core.cluster.config import SchedulerConfig
+from fd_core.cluster.global_scheduler import GlobalScheduler, Load, connect
+from fd_core.engine.wire import AddRequest, Failed, Stats, StepOutputs, WireOutput, params_from_wire
+
+log = logging.getLogger("fd.cluster")
+
+REAP_S = 1.0  # how often dead instances are looked for
+MAX_PENDING = 100_000  # outputs kept for their submitters while Redis is unreachable
+
+
+def abort_key(request_id: str, index: int | None) -> str:
+    """An abort as the scheduler's abort list carries it: the request, or one of its sequences."""
+    return request_id if index is None else f"{request_id}|{index}"
+
+
+def parse_abort(key: str) -> tuple[str, int | None]:
+    request_id, sep, index = key.rpartition("|")
+    if sep and index.isdigit():
+        return request_id, int(index)
+    return key, None
+
+
+class ClusterInbox:
+    def __init__(self, config: SchedulerConfig, capacity: int) -> None:
+        self.config = config
+        self.scheduler = GlobalScheduler(connect(config.address), config.topic, config.instance_id, config.ttl,
+                                         config.role)
+        self.capacity = capacity
+        self.heartbeat_s = min(0.5, config.ttl / 4)
+        self.served = 0
+        self._origins: dict[str, str] = {}  # request id -> where its results go
+        self._outputs: dict[str, list[WireOutput]] = {}  # by origin, not yet published
+        self._failures: dict[str, list[Failed]] = {}
+        self._finished: list[str] = []  # requests to forget in Redis
+        self._next_heartbeat = 0.0
+        self._next_reap = 0.0
+        self._down_since: float | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(AddRequest)
+
+    def poll(self, core: Any) -> int:
+        """Report, reap, apply aborts and pull requests into ``core`` while it has room; the
+        number of requests and aborts taken."""
+        import redis
+
+        try:
+            handled = self._poll(core)
+            self._flush()
+        except redis.RedisError as exc:
+            self._lost(exc)
+            return 0
+        if self._down_since is not None:
+            log.warning("the global scheduler's Redis at %s answers again (after %.1f s)", self.config.address,
+                        time.monotonic() - self._down_since)
+            self._down_since = None
+        return handled
+
+    def _poll(self, core: Any) -> int:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self.scheduler.heartbeat(self._load(core))
+            self._next_heartbeat = now + self.heartbeat_s
+        if now >= self._next_reap:
+            self.scheduler.reap(self._failure)
+            self._next_reap = now + REAP_S
+        handled = 0
+        for key in self.scheduler.aborts():
+            request_id, index = parse_abort(key)
+            core.abort(request_id, index)
+            handled += 1
+        self._forget_finished(core)
+        room = self.capacity - len(core.scheduler.running) - len(core.scheduler.waiting)
+        for pulled in self.scheduler.pull(room):
+            handled += 1
+            try:
+                msg = self._decoder.decode(pulled.payload)
+                core.add_request(pulled.request_id, msg.token_ids, params_from_wire(msg.params), msg.cache_salt)
+            except Exception as exc:  # noqa: BLE001 - this request only; the others go on
+                self._failures.setdefault(pulled.origin, []).append(
+                    Failed(type(exc).__name__, str(exc), pulled.request_id))
+                self._finished.append(pulled.request_id)
+                continue
+            self._origins[pulled.request_id] = pulled.origin
+        return handled
+
+    def publish(self, core: Any, outputs: list[WireOutput]) -> None:
+        """Send a step's outputs to their submitters (or keep them while Redis is away)."""
+        import redis
+
+        for output in outputs:
+            origin = self._origins.get(output.request_id)
+            if origin is not None:
+                self._outputs.setdefault(origin, []).append(output)
+        self._forget_finished(core)
+        pending = sum(map(len, self._outputs.values()))
+        if pending > MAX_PENDING:
+            raise RuntimeError(f"{pending} outputs could not reach the global scheduler's Redis at "
+                               f"{self.config.address}; giving up")
+        if self._down_since is not None and time.monotonic() < self._next_heartbeat:
+            return  # retried with the next poll
+        try:
+            self._flush()
+        except redis.RedisError as exc:
+            self._lost(exc)
+
+    def leave(self) -> None:
+        """A clean stop: our queue to another instance; no longer live."""
+        import redis
+
+        try:
+            self._flush()
+            self.scheduler.leave()
+        except redis.RedisError as exc:
+            log.warning("could not leave the global scheduler cleanly: %s", exc)
+
+    def _forget_finished(self, core: Any) -> None:
+        done = [r for r in self._origins if r not in core.seqs]
+        for request_id in done:
+            del self._origins[request_id]
+        self._finished.extend(done)
+        self.served += len(done)
+
+    def _flush(self) -> None:
+        if self._outputs or self._failures:
+            batches: dict[str, list[bytes]] = {}
+            for origin, outputs in self._outputs.items():
+                batches.setdefault(origin, []).append(self._encoder.encode(StepOutputs(outputs, Stats())))
+            for origin, failures in self._failures.items():
+                batches.setdefault(origin, []).extend(self._encoder.encode(f) for f in failures)
+            self.scheduler.publish(batches)
+            self._outputs, self._failures = {}, {}
+        if self._finished:
+            self.scheduler.finish(self._finished)
+            self._finished = []
+
+    def _failure(self, request_id: str, message: str) -> bytes:
+        return self._encoder.encode(Failed("SchedulerUnavailableError", message, request_id))
+
+    def _load(self, core: Any) -> Load:
+        pool = core.pool
+        return Load(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+                    free_blocks=pool.num_free, num_blocks=pool.capacity, capacity=self.capacity, served=self.served)
+
+    def _lost(self, exc: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.error("the global scheduler's Redis at %s is unreachable (%s); the requests running here go on, "
+                      "their outputs wait until it answers", self.config.address, exc)
+        self._next_heartbeat = time.monotonic() + self.heartbeat_s
