@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.util
+import json
+import sys
 import time
 
 import httpx
@@ -67,6 +69,43 @@ def test_an_idle_instance_steals_and_the_text_is_a_single_instances(cluster):
     for prompt, text in zip(PROMPTS[:6], texts):
         reply = complete(b, prompt)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == text
+
+
+def test_the_router_spreads_requests_over_the_instances(cluster, tmp_path):
+    """``fd router`` in front: requests streamed and not, each instance takes some, the texts
+    are the instances' own; /health and /metrics speak for the cluster."""
+    redis, a, b = cluster
+    router = Server(DEFAULT_MODEL, tmp_path / "router.log", "--api-key", API_KEY, "--scheduler-port", str(redis.port),
+                    "--scheduler-topic", "e2e", "--scheduler-ttl", "3",
+                    command=[sys.executable, "-m", "fd_core.entrypoints.cli", "router"])
+    with router:
+        assert httpx.get(router.url + "/health", timeout=5).status_code == 200
+        before = generated(a), generated(b)
+        prompts = PROMPTS[:8]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda p: complete(router, p), prompts))
+            streams = list(pool.map(lambda p: streamed(router, p), prompts[:4]))
+        assert [r.status_code for r in replies] == [200] * len(prompts), [r.text for r in replies]
+        texts = [r.json()["choices"][0]["text"] for r in replies]
+        assert streams == texts[:4]  # the deltas add up to the same text
+        for prompt, text in zip(prompts[:3], texts):  # and an instance asked directly agrees
+            assert complete(a, prompt).json()["choices"][0]["text"] == text
+        ran_a, ran_b = generated(a) - before[0], generated(b) - before[1]
+        assert ran_a > 0 and ran_b > 0, (ran_a, ran_b)
+        samples = router.metrics()
+        assert samples["fd:num_requests_running"] == 0 and "fd:kv_cache_usage_perc" in samples
+
+
+def streamed(server: Server, prompt: str) -> str:
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", headers=HEADERS, timeout=120,
+                      json={"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
 
 
 def test_without_redis_new_requests_get_a_503_and_the_cluster_recovers(cluster):

@@ -10,6 +10,8 @@ from fd_core.cluster.global_scheduler import ROLES, RedisAddress, new_instance_i
 from fd_core.errors import ConfigError
 
 SCHEDULERS = ("local", "global", "splitwise")
+REDIS_CALL_TIMEOUT_S = 0.5  # a front end's Redis call from its event loop blocks at most this long
+REDIS_POLL_S = 0.5  # how long one wait for a front end's outputs lasts
 
 
 @dataclass(frozen=True)

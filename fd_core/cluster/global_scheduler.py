@@ -10,7 +10,8 @@ Requests and results are opaque bytes here (the engine's wire messages); this mo
 them. Keys, under ``fd:{topic}:``:
 
 - ``instances``: the set of instance ids that registered (live ones also have a ``load:``);
-- ``load:{id}``: the instance's ``Load`` (msgpack), expiring after the TTL;
+- ``load:{id}``: the instance's ``Load`` (msgpack), expiring after the TTL; ``info:{id}``: what
+  it announced of its engine (for a front end), expiring with it;
 - ``queue:{id}``: request ids waiting for that instance, oldest first;
 - ``req``: request id -> ``Envelope`` (who submitted it, its payload, its prompt length);
 - ``owner``: request id -> the instance running it; ``running:{id}``: the ids it runs;
@@ -179,8 +180,14 @@ class GlobalScheduler:
         load.time = time.time()
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key("load", self.instance), msgspec.msgpack.encode(load), px=int(self.ttl * 1000))
+        pipe.pexpire(self.key("info", self.instance), int(self.ttl * 1000))
         pipe.sadd(self.key("instances"), self.instance)
         pipe.execute()
+
+    def announce(self, info: bytes) -> None:
+        """Publish what a front end needs to know of this instance's engine (the core's
+        ``Ready``: model, lengths, what it cannot honour), kept as long as its load reports."""
+        self.client.set(self.key("info", self.instance), info, px=int(self.ttl * 1000))
 
     def pull(self, n: int, steal: bool = True) -> list[Pulled]:
         """Up to ``n`` requests: the oldest of our queue first; if it is empty and ``steal``,
@@ -302,6 +309,10 @@ class GlobalScheduler:
             return {}
         raws = self.client.mget([self.key("load", i) for i in ids])
         return {i: msgspec.msgpack.decode(raw, type=Load) for i, raw in zip(ids, raws) if raw is not None}
+
+    def info(self, instance: str) -> bytes | None:
+        """What ``instance`` announced, None if it has not (or is gone)."""
+        return self.client.get(self.key("info", instance))
 
     def queued(self, instance: str) -> int:
         return int(self.client.llen(self.key("queue", instance)))

@@ -51,6 +51,7 @@ class ClusterInbox:
         self._next_heartbeat = 0.0
         self._next_reap = 0.0
         self._down_since: float | None = None
+        self._ready: bytes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AddRequest)
 
@@ -74,6 +75,8 @@ class ClusterInbox:
     def _poll(self, core: Any) -> int:
         now = time.monotonic()
         if now >= self._next_heartbeat:
+            if self._down_since is not None and self._ready is not None:  # Redis may have lost it
+                self.scheduler.announce(self._ready)
             self.scheduler.heartbeat(self._load(core))
             self._next_heartbeat = now + self.heartbeat_s
         if now >= self._next_reap:
@@ -128,6 +131,17 @@ class ClusterInbox:
             self.scheduler.leave()
         except redis.RedisError as exc:
             log.warning("could not leave the global scheduler cleanly: %s", exc)
+
+    def announce(self, ready: bytes) -> None:
+        """Publish the engine's ``Ready`` for front ends (``fd router``); retried with the
+        heartbeats while Redis is away."""
+        import redis
+
+        self._ready = ready
+        try:
+            self.scheduler.announce(ready)
+        except redis.RedisError as exc:
+            self._lost(exc)
 
     def _forget_finished(self, core: Any) -> None:
         done = [r for r in self._origins if r not in core.seqs]

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 
 from fd_core import errors
-from fd_core.cluster.config import SchedulerConfig
+from fd_core.cluster.config import REDIS_CALL_TIMEOUT_S, REDIS_POLL_S, SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.core import (
     CoreOutput,
@@ -62,8 +62,6 @@ log = logging.getLogger("fd.engine")
 
 _WATCH_S = 0.1  # how often the process is checked for life
 _SHUTDOWN_GRACE_S = 5.0  # a core that has not exited this long after Shutdown is terminated
-_REDIS_TIMEOUT_S = 0.5  # a cluster's Redis call from the event loop blocks at most this long
-_REDIS_POLL_S = 0.5  # how long one wait for a cluster's outputs lasts
 
 
 @dataclass
@@ -139,11 +137,11 @@ class AsyncEngineClient:
 
             self.scheduler = self.scheduler.started()
             self._origin = self.scheduler.instance_id
-            self._cluster = GlobalScheduler(connect(self.scheduler.address, timeout=_REDIS_TIMEOUT_S),
+            self._cluster = GlobalScheduler(connect(self.scheduler.address, timeout=REDIS_CALL_TIMEOUT_S),
                                             self.scheduler.topic, None, self.scheduler.ttl, self.scheduler.role)
             # the outputs' blocking reads get a connection of their own, whose reads may take
             # longer than one wait
-            self._cluster_reader = GlobalScheduler(connect(self.scheduler.address, timeout=_REDIS_POLL_S + 1.0),
+            self._cluster_reader = GlobalScheduler(connect(self.scheduler.address, timeout=REDIS_POLL_S + 1.0),
                                                    self.scheduler.topic, None, self.scheduler.ttl,
                                                    self.scheduler.role)
         try:
@@ -167,15 +165,9 @@ class AsyncEngineClient:
             await self._stop_process(ask=False, grace=2.0 if self._core_failed else 0.0)
             self._close_sockets()
             raise
-        self.max_model_len = ready.max_model_len
-        self.vocab_size = ready.vocab_size
-        self.eos_token_ids = frozenset(ready.eos_token_ids)
-        self.max_num_batched_tokens = ready.max_num_batched_tokens
-        self.chunked_prefill = ready.chunked_prefill
-        self.unavailable = ready.unavailable
+        self._take_ready(ready)
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._last_report = time.monotonic()
-        self._processor = OutputProcessor(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_loop(), name="fd-engine-reader"),
                        asyncio.create_task(self._watch_loop(), name="fd-engine-watch")]
         if self._cluster is not None:
@@ -183,6 +175,16 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.add_done_callback(self._on_task_done)
         return self
+
+    def _take_ready(self, ready: Ready) -> None:
+        """The engine's figures, and the output processor on the tokenizer loaded by now."""
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = frozenset(ready.eos_token_ids)
+        self.max_num_batched_tokens = ready.max_num_batched_tokens
+        self.chunked_prefill = ready.chunked_prefill
+        self.unavailable = ready.unavailable
+        self._processor = OutputProcessor(self.tokenizer)
 
     def _load_tokenizer(self):
         from fd_core.engine.loading import open_checkpoint
@@ -305,9 +307,7 @@ class AsyncEngineClient:
 
         try:
             if isinstance(msg, AddRequest):
-                # this instance's own queue: an idle instance steals from it (FastDeploy's way)
-                self._cluster.submit(self._origin, self._origin, msg.request_id, self._encoder.encode(msg),
-                                     len(msg.token_ids))
+                self._submit(msg)
             else:
                 self._cluster.abort(msg.request_id, abort_key(msg.request_id, msg.index))
         except redis.RedisError as exc:
@@ -317,6 +317,10 @@ class AsyncEngineClient:
                     f"not queued ({exc})") from None
             log.warning("could not pass an abort to the global scheduler's Redis at %s: %s",
                         self.scheduler.address, exc)
+
+    def _submit(self, msg: AddRequest) -> None:
+        # this instance's own queue: an idle instance steals from it (FastDeploy's way)
+        self._cluster.submit(self._origin, self._origin, msg.request_id, self._encoder.encode(msg), len(msg.token_ids))
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:
@@ -350,13 +354,13 @@ class AsyncEngineClient:
         down_since = None
         while True:
             try:
-                batches = await asyncio.to_thread(self._cluster_reader.results, self._origin, _REDIS_POLL_S)
+                batches = await asyncio.to_thread(self._cluster_reader.results, self._origin, REDIS_POLL_S)
             except redis.RedisError as exc:
                 if down_since is None:
                     down_since = time.monotonic()
                     log.error("the global scheduler's Redis at %s is unreachable (%s); new requests are refused "
                               "until it answers", self.scheduler.address, exc)
-                await asyncio.sleep(_REDIS_POLL_S)
+                await asyncio.sleep(REDIS_POLL_S)
                 continue
             if down_since is not None:
                 log.warning("the global scheduler's Redis at %s answers again", self.scheduler.address)

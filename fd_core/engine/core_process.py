@@ -93,12 +93,15 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
             code = 1
             return
-        outbox.send(encoder.encode(Ready(
+        ready = encoder.encode(Ready(
             model=config.model, max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size, eos_token_ids=sorted(core.eos_token_ids),
             num_blocks=core.pool.capacity, max_num_batched_tokens=config.max_num_batched_tokens,
             chunked_prefill=config.enable_chunked_prefill, unavailable=core.unavailable(),
-        )))
+        ))
+        if cluster is not None:
+            cluster.announce(ready)
+        outbox.send(ready)
         try:
             _serve(core, inbox, outbox, encoder, parent_pid, cluster)
         except Exception as e:  # a failed step leaves the core's state unknown: report and exit

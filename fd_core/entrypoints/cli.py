@@ -257,12 +257,14 @@ def _model(args: argparse.Namespace) -> str:
     return tag or args.model or DEFAULT_MODEL
 
 
-def add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    """FastDeploy's flags for running several instances as one cluster (fd_core.cluster)."""
+def add_scheduler_args(p: argparse.ArgumentParser, router: bool = False) -> None:
+    """FastDeploy's flags for running several instances as one cluster (fd_core.cluster); a
+    router takes only where the cluster's Redis is."""
     g = p.add_argument_group("cluster (several instances sharing work through Redis)")
-    g.add_argument("--scheduler-name", default="local", choices=("local", "global", "splitwise"),
-                   help="local: this instance alone (default); global: instances take requests from queues in "
-                        "Redis, an idle one stealing from the busiest")
+    if not router:
+        g.add_argument("--scheduler-name", default="local", choices=("local", "global", "splitwise"),
+                       help="local: this instance alone (default); global: instances take requests from queues in "
+                            "Redis, an idle one stealing from the busiest")
     g.add_argument("--scheduler-host", default="127.0.0.1", help="the Redis host (default: 127.0.0.1)")
     g.add_argument("--scheduler-port", type=_port, default=6379, help="the Redis port (default: 6379)")
     g.add_argument("--scheduler-password", default=None, help="the Redis password, if it has one")
@@ -271,8 +273,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduler-ttl", type=_positive_number, default=10.0,
                    help="seconds without a load report after which an instance counts as dead: its queued "
                         "requests go to another, its running ones end with an error (default: 10)")
-    g.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
-                   help="mixed (default); prefill and decode are refused until disaggregation lands")
+    if not router:
+        g.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
+                       help="mixed (default); prefill and decode are refused until disaggregation lands")
 
 
 def scheduler_config(args: argparse.Namespace):
@@ -331,6 +334,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, limits=limits, metrics_port=args.metrics_port,
                  log_requests=not args.disable_log_requests, parsing=parsing, scheduler=scheduler_config(args))
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from fd_server.launch import serve
+    from fd_server.limits import ServerLimits
+    from fd_server.tools import ChatParsing
+
+    from fd_core.engine.config import EngineConfig
+    from fd_core.errors import ConfigError
+
+    try:
+        parsing = ChatParsing(args.tool_call_parser, args.reasoning_parser, args.enable_auto_tool_choice)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    scheduler = scheduler_config(argparse.Namespace(**vars(args), scheduler_name="global", role="mixed"))
+    config = EngineConfig(model=_model(args), tokenizer=args.tokenizer, chat_template=args.chat_template,
+                          max_logprobs=args.max_logprobs)
+    limits = ServerLimits(max_concurrency=args.max_concurrency, request_timeout=args.request_timeout or None)
+    return serve(config, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                 api_key=args.api_key, limits=limits, log_requests=not args.disable_log_requests, parsing=parsing,
+                 scheduler=scheduler, router=True)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -506,6 +530,31 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_TOKENIZER_POOL_SIZE})")
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("router", help="an OpenAI-compatible front end over the fd serve --scheduler-name global "
+                                      "instances of a cluster")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model the instances serve (its tokenizer and chat template are read here)")
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--tokenizer", default=None, help="another folder or .gguf to take the tokenizer from")
+    p.add_argument("--chat-template", default=None, help="a chat template file, or the template itself")
+    p.add_argument("--max-logprobs", type=_count, default=MAX_LOGPROBS,
+                   help=f"the most logprobs a request may ask for (default {MAX_LOGPROBS})")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use (default: the model)")
+    add_scheduler_args(p, router=True)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    p.add_argument("--port", type=_port, default=8180, help="1-65535, or 0 for any free port (default 8180)")
+    p.add_argument("--api-key", default=None, help="require this bearer token (default: $FD_API_KEY)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="as fd serve's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", help="as fd serve's")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME", help="as fd serve's")
+    p.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight before 429")
+    p.add_argument("--request-timeout", type=_seconds, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                   help=f"abort a request not finished S seconds after it arrived, answering 504 "
+                        f"(default {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: never)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    p.set_defaults(func=cmd_router)
+
     p = sub.add_parser("chat", help="interactive chat with a running server (--base-url) or a local model")
     add_engine_args(p)
     p.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8180; omit to load --model here")
@@ -536,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hasattr(args, "log_level"):  # a command that starts an engine (or talks to one)
             from fd_core.logs import configure
 
-            configure(args.log_level, role="server" if args.command == "serve" else "main")
+            configure(args.log_level, role="server" if args.command in ("serve", "router") else "main")
         return int(args.func(args) or 0)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)

@@ -43,12 +43,14 @@ ENGINE_SHUTDOWN_S = 30.0
 def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | Sequence[str] | None,
           api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None,
           log_requests: bool = True, parsing: ChatParsing | None = None,
-          scheduler: SchedulerConfig | None = None) -> int:
+          scheduler: SchedulerConfig | None = None, router: bool = False) -> int:
     """Run the server until it is stopped; returns the process exit status. ``metrics_port``:
     a second port that serves /metrics alone (FastDeploy's --metrics-port); ``log_requests``:
     a log line per request received and finished (``--disable-log-requests`` turns them off);
     ``scheduler``: how the instance joins a cluster (``--scheduler-name global``): a Redis that
-    cannot be reached stops the start with one line naming its host and port."""
+    cannot be reached stops the start with one line naming its host and port. ``router``: serve
+    the cluster's instances instead of an engine of its own (``fd router``, whose
+    ``engine_config`` only names the model for its tokenizer)."""
     configure_default(role="server")  # fd serve has configured it already (--log-level)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
@@ -56,7 +58,8 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
     api_key = api_key or os.environ.get("FD_API_KEY") or None
     names = ([served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])) \
         or [engine_config.model]
-    _check_config(engine_config)
+    if not router:
+        _check_config(engine_config)
     if scheduler is not None and scheduler.is_global:
         from fd_core.cluster.global_scheduler import connect
 
@@ -84,7 +87,7 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
-                                  metrics_sock, scheduler))
+                                  metrics_sock, scheduler, router))
     except KeyboardInterrupt:
         return 130
     finally:
@@ -176,7 +179,8 @@ def _dead_exit_s() -> float:
 
 async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
                  api_key: str | None, limits: ServerLimits, log_requests: bool, parsing: ChatParsing | None,
-                 metrics_sock: socket.socket | None = None, scheduler: SchedulerConfig | None = None) -> int:
+                 metrics_sock: socket.socket | None = None, scheduler: SchedulerConfig | None = None,
+                 router: bool = False) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -189,9 +193,15 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
     # (the engine client then stops the process it was starting).
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main.cancel)
-    log.info("fd: starting the engine for %s", engine_config.model)
+    if router:
+        from fd_core.cluster.client import ClusterClient as client_class
+
+        log.info("fd: routing to the cluster %r for %s", scheduler.topic, engine_config.model)
+    else:
+        client_class = AsyncEngineClient
+        log.info("fd: starting the engine for %s", engine_config.model)
     try:
-        client = await AsyncEngineClient.start(engine_config, scheduler=scheduler)
+        client = await client_class.start(engine_config, scheduler=scheduler)
     except asyncio.CancelledError:
         log.info("fd: stopped during start-up")
         return 1

@@ -66,8 +66,11 @@ class EngineMonitor:
         return age() if age is not None else 0.0
 
     def healthy(self) -> bool:
-        """Serving: alive and reporting."""
+        """Serving: alive, reporting, and (a client may say why not, e.g. a router with no
+        instance left: ``client.cannot_serve()``) able to take requests."""
         if not self.alive():
+            return False
+        if self._client_unavailable():
             return False
         stalled = self.heartbeat_timeout is not None and self.silent_for() > self.heartbeat_timeout
         if stalled != self._stalled:
@@ -79,9 +82,16 @@ class EngineMonitor:
                 log.warning("the engine core reports again; serving")
         return not stalled
 
+    def _client_unavailable(self) -> str | None:
+        cannot_serve = getattr(self.client, "cannot_serve", None)
+        return cannot_serve() if cannot_serve is not None else None
+
     def unavailable_reason(self) -> str:
         if not self.alive():
             return self.dead_reason
+        reason = self._client_unavailable()
+        if reason:
+            return reason
         return (f"the engine core has not reported for {self.silent_for():.0f} s "
                 f"(stalled; --heartbeat-timeout {self.heartbeat_timeout:g})")
 
