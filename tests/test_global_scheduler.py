@@ -146,3 +146,17 @@ def test_bad_settings_are_refused(redis_server):
         scheduler(redis_server, "a", role="both")
     with pytest.raises(ValueError, match="--scheduler-ttl 0"):
         scheduler(redis_server, "a", ttl=0)
+
+
+def test_fd_serve_stops_at_once_naming_a_redis_it_cannot_reach():
+    """Before the model loads: one line, the host and port, exit status 2."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", "fd_server", "--scheduler-name", "global", "--scheduler-port",
+                           str(port), "--host", "127.0.0.1", "--port", "0", "--load-format", "dummy"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fd: error:")]
+    assert len(lines) == 1 and f"Redis at 127.0.0.1:{port} is unreachable" in lines[0], done.stderr
