@@ -61,8 +61,13 @@ def connect(address: RedisAddress, timeout: float = 2.0):
         from fd_core.errors import ConfigError
 
         raise ConfigError("--scheduler-name global needs the redis client: pip install 'fd-core[cluster]'") from None
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # no retries inside the client (redis-py's default retries with backoff held a step for
+    # seconds when Redis was down): every caller here has its own cadence to try again at
     client = redis.Redis(host=address.host, port=address.port, password=address.password, db=address.db,
-                         socket_connect_timeout=timeout, socket_timeout=timeout)
+                         socket_connect_timeout=timeout, socket_timeout=timeout, retry=Retry(NoBackoff(), 0))
     try:
         client.ping()
     except redis.AuthenticationError as exc:

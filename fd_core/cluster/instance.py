@@ -21,6 +21,7 @@ from fd_core.engine.wire import AddRequest, Failed, Stats, StepOutputs, WireOutp
 log = logging.getLogger("fd.cluster")
 
 REAP_S = 1.0  # how often dead instances are looked for
+REDIS_TIMEOUT_S = 0.5
 MAX_PENDING = 100_000  # outputs kept for their submitters while Redis is unreachable
 
 
@@ -39,8 +40,9 @@ def parse_abort(key: str) -> tuple[str, int | None]:
 class ClusterInbox:
     def __init__(self, config: SchedulerConfig, capacity: int) -> None:
         self.config = config
-        self.scheduler = GlobalScheduler(connect(config.address), config.topic, config.instance_id, config.ttl,
-                                         config.role)
+        # short timeouts: a Redis that does not answer must not hold the engine's steps for long
+        self.scheduler = GlobalScheduler(connect(config.address, timeout=REDIS_TIMEOUT_S), config.topic,
+                                         config.instance_id, config.ttl, config.role)
         self.capacity = capacity
         self.heartbeat_s = min(0.5, config.ttl / 4)
         self.served = 0
@@ -60,6 +62,8 @@ class ClusterInbox:
         number of requests and aborts taken."""
         import redis
 
+        if self._down_since is not None and time.monotonic() < self._next_heartbeat:
+            return 0  # Redis was away a moment ago: try again with the next heartbeat
         try:
             handled = self._poll(core)
             self._flush()
@@ -123,9 +127,16 @@ class ClusterInbox:
             self._lost(exc)
 
     def leave(self) -> None:
-        """A clean stop: our queue to another instance; no longer live."""
+        """A clean stop: the requests this engine still holds end with an error to their
+        submitters, our queue goes to another instance, and we are no longer live."""
         import redis
 
+        for request_id, origin in self._origins.items():
+            self._failures.setdefault(origin, []).append(Failed(
+                "SchedulerUnavailableError", f"the instance {self.config.instance_id} running this request was "
+                                             f"stopped; the request was ended", request_id))
+            self._finished.append(request_id)
+        self._origins = {}
         try:
             self._flush()
             self.scheduler.leave()
