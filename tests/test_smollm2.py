@@ -55,15 +55,9 @@ def test_a_prefilled_reply_renders_as_transformers_and_is_continued(llm):
     assert "Paris" in out[0].outputs[0].text
 
 
-@pytest.mark.oracle
-@pytest.mark.parametrize("forced", [False, True], ids=["until-eos", "64-tokens"])
-def test_greedy_equals_transformers_on_the_gguf(llm, forced):
-    _greedy_equals_transformers(llm, forced)
-
-
-def _greedy_equals_transformers(llm, forced):
-    """64 new tokens per prompt: either stopping at EOS as a chat would, or with EOS suppressed
-    for all 64 steps (``min_tokens`` here, ``min_new_tokens`` there) so every step is compared."""
+@pytest.fixture(scope="module")
+def oracle():
+    """transformers on the same GGUF in float32, loaded once for the file's oracle tests."""
     pytest.importorskip("transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,21 +67,52 @@ def _greedy_equals_transformers(llm, forced):
     path = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+    return hf_tok, hf.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llm, oracle):
+    """Per chat prompt: its ids, transformers' 64 greedy tokens with EOS suppressed
+    (``min_new_tokens``), and its choice at each step had EOS been allowed (the raw logits'
+    argmax). Greedy paths agree until the first step that would choose EOS, so one generation
+    serves both the until-EOS and the 64-token comparisons."""
+    import torch
+
+    hf_tok, hf = oracle
+    eos = sorted(llm.engine.eos_token_ids)
+    runs = []
+    for prompt in CHAT_PROMPTS:
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                              eos_token_id=eos, pad_token_id=2, output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences[0, len(ids):].tolist()
+        unsuppressed = [int(step[0].argmax()) for step in gen.logits]
+        # the derivation's premise: no processor but min_new_tokens changed a choice
+        assert all(u == t for u, t in zip(unsuppressed, tokens) if u not in eos)
+        runs.append((list(ids), tokens, unsuppressed))
+    return runs
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("forced", [False, True], ids=["until-eos", "64-tokens"])
+def test_greedy_equals_transformers_on_the_gguf(llm, hf_greedy, forced):
+    """64 new tokens per prompt: either stopping at EOS as a chat would, or with EOS suppressed
+    for all 64 steps (``min_tokens`` here, ``min_new_tokens`` there) so every step is compared."""
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64 if forced else 0)
     ours = llm.chat(conversations, params, use_tqdm=False)
-    for conv, out in zip(conversations, ours):
-        ids = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        assert list(ids) == out.prompt_token_ids, "chat template / tokenizer differ from transformers"
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64 if forced else 0,
-                              do_sample=False, eos_token_id=sorted(llm.engine.eos_token_ids), pad_token_id=2)
-        theirs = gen[0, len(ids):].tolist()
-        if forced:
-            assert len(theirs) == 64
+    eos = llm.engine.eos_token_ids
+    for conv, out, (ids, tokens, unsuppressed) in zip(conversations, ours, hf_greedy):
+        assert ids == out.prompt_token_ids, "chat template / tokenizer differ from transformers"
+        theirs = tokens
+        if not forced:  # up to and with the first EOS transformers would have chosen
+            stop = next((i for i, u in enumerate(unsuppressed) if u in eos), None)
+            theirs = tokens if stop is None else tokens[:stop] + [unsuppressed[stop]]
+        assert len(tokens) == 64
         assert out.outputs[0].token_ids == theirs, f"prompt {conv[0]['content']!r} diverged"
 
 
@@ -170,17 +195,12 @@ def test_the_gguf_stays_quantized_on_torch(llm_packed):
 
 
 @pytest.mark.oracle
-def test_packed_greedy_text_is_transformers_but_for_near_ties(llm_packed):
+def test_packed_greedy_text_is_transformers_but_for_near_ties(llm_packed, oracle):
     """Every one of 64 forced tokens per prompt is transformers' choice (teacher-forced on our
     tokens), or within NEAR_TIE of it: bfloat16 activations may break a near-tie the other way."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fd_core.loader import resolve_model
-
-    path = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    _, hf = oracle
     eos = sorted(llm_packed.engine.eos_token_ids)
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
     outs = llm_packed.chat(conversations, SamplingParams(temperature=0, max_tokens=64, min_tokens=64),
