@@ -68,18 +68,19 @@ def test_quantized_linear_matches_the_spec(method, group, zeros, layout, rows, d
     (256, 4096, -1, True),  # one group per row
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_int4_one_row_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype):
-    """One row of activations goes through kernels/int4_gemv.py; its split-K workspace cleans
-    itself, so replays of a CUDA graph (and calls after them) keep matching the spec (a stale
-    workspace would add the previous call's sums). Equal to the bit only without split K: the
-    float32 partial sums arrive in any order."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_int4_few_rows_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype, rows):
+    """One to four rows of activations go through kernels/int4_gemv.py; its split-K workspace
+    cleans itself, so replays of a CUDA graph (and calls after them) keep matching the spec (a
+    stale workspace would add the previous call's sums). Equal to the bit only without split K:
+    the float32 partial sums arrive in any order."""
     from fd_backend_cuda.kernels import int4_gemv
 
     rng = np.random.default_rng(out_f + in_f)
     w = (rng.standard_normal((out_f, in_f)) * in_f**-0.5).astype(np.float32)
     qw = quantize(w, "wint4", group, zeros)
     packed = pack_linear(_on_gpu(qw))
-    x = torch.from_numpy(rng.standard_normal((1, in_f)).astype(np.float32)).cuda().to(dtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_f)).astype(np.float32)).cuda().to(dtype)
     chunk = 2 * 128 if group in (-1, 128) else 2 * 64
     assert int4_gemv.supports(x, packed, chunk // 2)
     want = spec.linear(x.float().cpu().numpy(), qw)

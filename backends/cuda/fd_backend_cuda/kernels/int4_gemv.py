@@ -1,5 +1,5 @@
-"""wint4 at batch 1 (one row of activations, a decode step of one sequence): ``y = x @ w.T``
-from the ``cuda_w4`` layout at close to HBM speed.
+"""wint4 at batch 1 to 4 (a decode step of one to four sequences): ``y = x @ w.T`` from the
+``cuda_w4`` layout at close to HBM speed.
 
 Why a kernel of its own: the tiled kernel of ``quantized_linear`` pads the one row to 16 and
 applies the group scales after every K step; at one row that loop, not the memory, bounds it
@@ -8,11 +8,11 @@ applies the group scales after every K step; at one row that loop, not the memor
 - the weight is the dot's A operand (``BLOCK_N`` rows, Hopper's wgmma reads it from registers)
   and the unpacking is PTX (two bytes become two bf16/fp16 pairs in four instructions: the
   nibble OR-ed into the mantissa of 128.0 / 1024.0, the offset taken off after the dot);
-- the dot's ``COLS`` output columns are ``COLS`` different half-chunks: x is loaded as the B
-  tile with its values in column ``2c`` (low halves) or ``2c + 1`` (high halves) of chunk ``c``
+- the dot's ``COLS`` output columns are ``COLS`` different (row of x, half-chunk) pairs: x is
+  loaded as the B tile with a row's values in its column for chunk ``c``'s low or high half
   and zeros elsewhere (zero-filled by the copy, not read), so each column collects one
-  half-chunk's raw sum, and the scales, zeros and offset are applied once per ``COLS / 2``
-  chunks instead of per step;
+  half-chunk's raw sum, and the scales, zeros and offset are applied once per block of
+  ``COLS / rows`` half-chunks instead of per step;
 - a step reads ``HB`` bytes of each row, which keeps the unpacked tile's registers (and the
   registers capped at 128) low enough for four programs per SM;
 - split K needs no zeroed output and no cast after: the programs of an output tile add into a
@@ -31,6 +31,7 @@ from fd_core.interfaces import QuantizedWeight
 BLOCK_N = 64
 COLS = 16
 HB = 64
+MAX_ROWS = 4  # rows of x the dot's COLS columns are shared among (COLS / rows half-chunks a block)
 # four programs of 4 warps per SM; left to itself ptxas took 128-165 by the variant, and fewer
 # programs per SM cost a third of the speed (gate_up 44.5 against 33.2 us)
 MAX_REGISTERS = 128
@@ -60,10 +61,13 @@ _UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300), 136.0), torch.float16: (_un
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, stride_wn, stride_sn,
-                      HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, UNPACK: tl.constexpr,
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, stride_xm, stride_ym,
+                      stride_wn, stride_sn, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, UNPACK: tl.constexpr,
                       MAGIC_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
-                      COLS: tl.constexpr, HALVES: tl.constexpr):
+                      COLS: tl.constexpr, HALVES: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS rows of x (a power of two, M of them real) share the dot's COLS columns: column
+    # m * G + j holds row m's half-chunk j of the block, G = COLS / ROWS half-chunks a block
+    G: tl.constexpr = COLS // ROWS
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,10 +75,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, 
     rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N read row N - 1, never stored
     w_rows = w_ptr + rows[:, None] * stride_wn
     col = tl.arange(0, COLS)
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    col_row = col // G  # the row of x a column belongs to
+    col_half = col % G  # and its half-chunk within the block
+    col_ok = col_row < M
+    x_cols = x_ptr + col_row.to(tl.int64) * stride_xm
+    out = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    CHUNKS: tl.constexpr = COLS // 2
+    CHUNKS: tl.constexpr = G // 2
     SUB: tl.constexpr = H // HB
     for b0 in range(k_begin, k_end, CHUNKS * 2 * H):
         acc = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
@@ -85,63 +93,70 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N, K, 
             dtype = x_ptr.dtype.element_ty
             low, high = tl.inline_asm_elementwise(UNPACK, "=r,=r,h", [packed], dtype=(dtype, dtype),
                                                   is_pure=True, pack=2)
-            k0 = b0 + c * 2 * H + part
-            rk = k0 + tl.arange(0, HB)
-            x_low = tl.load(x_ptr + rk[:, None] + col[None, :] * 0, mask=(col == 2 * c)[None, :], other=0.0)
-            x_high = tl.load(x_ptr + H + rk[:, None] + col[None, :] * 0, mask=(col == 2 * c + 1)[None, :], other=0.0)
+            rk = b0 + c * 2 * H + part + tl.arange(0, HB)
+            x_low = tl.load(x_cols[None, :] + rk[:, None], mask=(col_ok & (col_half == 2 * c))[None, :], other=0.0)
+            x_high = tl.load(x_cols[None, :] + H + rk[:, None], mask=(col_ok & (col_half == 2 * c + 1))[None, :],
+                             other=0.0)
             acc = tl.dot(low, x_low, acc)
             acc = tl.dot(high, x_high, acc)
-        # column j is the half-chunk starting at b0 + j * H: its group (HALVES half-chunks to a
-        # group), and the sum of its x
-        start = b0 + col * H
-        j_ok = start < k_end
-        g = (b0 // H + col) // HALVES
+        # column j's half-chunk starts at b0 + (j % G) * H: its group (HALVES half-chunks to a
+        # group), and the sum of its row's x there
+        start = b0 + col_half * H
+        j_ok = (start < k_end) & col_ok
+        g = (b0 // H + col_half) // HALVES
         s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
-        xs = tl.sum(tl.load(x_ptr + start[:, None] + tl.arange(0, H)[None, :], mask=j_ok[:, None],
+        xs = tl.sum(tl.load(x_cols[:, None] + start[:, None] + tl.arange(0, H)[None, :], mask=j_ok[:, None],
                             other=0.0).to(tl.float32), axis=1)
         # x . (q s + z) with the dot's values MAGIC + q + 8: dot s - (MAGIC + 8) s sum(x) + z sum(x)
         corr = MAGIC_OFFSET * s
         if HAS_ZEROS:
             corr -= tl.load(z_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
-        out += tl.sum(acc * s - corr * xs[None, :], axis=1)
+        out += tl.sum(tl.reshape(acc * s - corr * xs[None, :], (BLOCK_N, ROWS, G)), axis=2)
+    rm = tl.arange(0, ROWS)
+    ok = n_ok[:, None] & (rm < M)[None, :]
     if SPLIT:
-        tl.atomic_add(ws_ptr + rn, out, mask=n_ok, sem="relaxed")
+        work = ws_ptr + rm[None, :] * N + rn[:, None]
+        tl.atomic_add(work, out, mask=ok, sem="relaxed")
         tl.debug_barrier()  # every thread's add before the arrival (release) below
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == tl.num_programs(1) - 1:
-            total = tl.atomic_xchg(ws_ptr + rn, tl.zeros_like(out), mask=n_ok, sem="relaxed")
-            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_ok)
+            total = tl.atomic_xchg(work, tl.zeros_like(out), mask=ok, sem="relaxed")
+            tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], total.to(y_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
     else:
-        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def reserve(device: torch.device, out_features: int) -> None:
     """Make the device's split-K workspace (zeroed, self-cleaning) large enough for
     ``out_features`` outputs. Called at load (``pack_linear``): never inside a graph capture."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    size = triton.cdiv(out_features, BLOCK_N) * BLOCK_N
+    tiles = triton.cdiv(out_features, BLOCK_N)
     have = _WORKSPACE.get(index)
-    if have is None or have[0].numel() < size:
+    if have is None or have[1].numel() < tiles:
         if have is not None:
             _RETIRED.append(have)
-        _WORKSPACE[index] = (torch.zeros(size, dtype=torch.float32, device=device),
-                             torch.zeros(size // BLOCK_N, dtype=torch.int32, device=device))
+        _WORKSPACE[index] = (torch.zeros(MAX_ROWS * tiles * BLOCK_N, dtype=torch.float32, device=device),
+                             torch.zeros(tiles, dtype=torch.int32, device=device))
 
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
-    """One row of bf16/fp16 activations, half-chunks of whole ``HB`` steps, a workspace reserved."""
+    """Up to ``MAX_ROWS`` rows of bf16/fp16 activations, half-chunks of whole ``HB`` steps, a
+    workspace reserved."""
     if not x2.is_cuda:
         return False
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     have = _WORKSPACE.get(index)
-    return (x2.shape[0] == 1 and x2.dtype in (torch.bfloat16, torch.float16) and half % HB == 0
-            and have is not None and have[0].numel() >= weight.shape[0])
+    return (x2.shape[0] <= MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float16) and half % HB == 0
+            and have is not None and have[1].numel() >= triton.cdiv(weight.shape[0], BLOCK_N))
 
 
 def int4_gemv(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) -> torch.Tensor:
-    """``x2`` ``[1, in]`` times the ``cuda_w4`` weight (half-chunks of ``half`` columns): ``[1, out]``."""
+    """``x2`` ``[m, in]`` (m up to ``MAX_ROWS``) times the ``cuda_w4`` weight (half-chunks of
+    ``half`` columns): ``[m, out]``."""
     out_features, in_features = weight.shape
+    m = x2.shape[0]
+    rows = 1 if m == 1 else 2 if m == 2 else 4
     split = 1
     # at least two programs per SM, each at least two steps long
     while (triton.cdiv(out_features, BLOCK_N) * split < 2 * sms
@@ -149,15 +164,16 @@ def int4_gemv(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) ->
         split *= 2
     k_split = triton.cdiv(triton.cdiv(in_features, split), 2 * half) * 2 * half
     grid = (triton.cdiv(out_features, BLOCK_N), triton.cdiv(in_features, k_split))
-    y = torch.empty((1, out_features), dtype=x2.dtype, device=x2.device)
+    y = torch.empty((m, out_features), dtype=x2.dtype, device=x2.device)
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     ws, counters = _WORKSPACE[index]
     unpack, offset = _UNPACK[x2.dtype]
     zeros = weight.zeros
     _int4_gemv_kernel[grid](
         x2, weight.qweight, weight.scales, weight.scales if zeros is None else zeros, y, ws, counters,
-        out_features, in_features, k_split, weight.qweight.stride(0), weight.scales.stride(0),
+        m, out_features, in_features, k_split, x2.stride(0), y.stride(0), weight.qweight.stride(0),
+        weight.scales.stride(0),
         HAS_ZEROS=zeros is not None, SPLIT=grid[1] > 1, UNPACK=unpack,
         MAGIC_OFFSET=offset, BLOCK_N=BLOCK_N, H=half, HB=HB, COLS=COLS,
-        HALVES=weight.group_size // half, num_warps=4, num_stages=4, maxnreg=MAX_REGISTERS)
+        HALVES=weight.group_size // half, ROWS=rows, num_warps=4, num_stages=4, maxnreg=MAX_REGISTERS)
     return y
