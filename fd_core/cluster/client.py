@@ -45,6 +45,7 @@ class ClusterClient(AsyncEngineClient):
         self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
         self._take_ready(ready)
         self._loads: dict = {}
+        self._redis_error: str | None = None
         self._seen_live = time.monotonic()
         self._tasks = [asyncio.create_task(self._cluster_loop(), name="fd-cluster-reader"),
                        asyncio.create_task(self._watch_instances(), name="fd-cluster-watch")]
@@ -72,8 +73,10 @@ class ClusterClient(AsyncEngineClient):
         while True:
             try:
                 self._loads = await asyncio.to_thread(self._cluster.live)
-            except redis.RedisError:
+                self._redis_error = None
+            except redis.RedisError as exc:
                 self._loads = {}
+                self._redis_error = str(exc)
             if self._loads:
                 self._seen_live = time.monotonic()
             await asyncio.sleep(WATCH_S)
@@ -84,6 +87,8 @@ class ClusterClient(AsyncEngineClient):
         return self._dead_reason is None  # the router itself; instances: cannot_serve
 
     def cannot_serve(self) -> str | None:
+        if self._redis_error is not None:
+            return f"the global scheduler's Redis at {self.scheduler.address} is unreachable ({self._redis_error})"
         if not self._loads:
             return (f"no instance of the cluster {self.scheduler.topic!r} reports to the global scheduler's Redis "
                     f"at {self.scheduler.address}")
