@@ -140,14 +140,14 @@ def test_without_redis_new_requests_get_a_503_and_the_cluster_recovers(cluster):
 
 
 def test_a_killed_instances_requests_end_with_an_error_and_the_rest_complete(cluster, router):
-    """32 requests at once through the router; SIGKILL one instance (its engine core and its
+    """64 requests at once through the router (the issue's load); SIGKILL one instance (its engine core and its
     HTTP process) while it runs one: its load report expires (--scheduler-ttl 3), and the survivor takes its queue over (those requests are
     served) and ends the one it was running with an error. Nothing hangs, and the survivor ends
     with its KV cache free."""
     _, a, b = cluster
-    prompts = [f"Count from {i} to {i + 5}." for i in range(32)]
+    prompts = [f"Count from {i} to {i + 5}." for i in range(64)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(complete, router, p, 8, 180) for p in prompts]
+        futures = [pool.submit(complete, router, p, 6, 180) for p in prompts]
         deadline = time.monotonic() + 60
         while b.metrics()["fd:num_requests_running"] == 0:  # b runs one of them
             assert time.monotonic() < deadline, "b never ran a request"

@@ -28,7 +28,7 @@ class FakeCore:
         self.pool = SimpleNamespace(num_free=10, capacity=10)
         self.aborted: list[tuple[str, int | None]] = []
 
-    def add_request(self, request_id, token_ids, params, cache_salt=None) -> None:
+    def add_request(self, request_id, token_ids, params, cache_salt=None, hand_over=False) -> None:
         if params.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1")
         self.seqs[request_id] = [token_ids]

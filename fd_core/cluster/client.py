@@ -110,7 +110,10 @@ class ClusterClient(AsyncEngineClient):
     # -- requests ------------------------------------------------------------------------
 
     def _submit(self, msg: AddRequest) -> None:
-        target = self._cluster.choose(self.scheduler.role)  # SchedulerUnavailableError when none is live
+        # a disaggregated cluster's requests start on a prefill instance, which picks their
+        # decode instance once the prompt is computed
+        role = "prefill" if any(load.role != "mixed" for load in self._loads.values()) else "mixed"
+        target = self._cluster.choose(role)  # SchedulerUnavailableError when none is live
         self._cluster.submit(target, self._origin, msg.request_id, self._encoder.encode(msg), len(msg.token_ids))
 
     async def shutdown(self) -> None:

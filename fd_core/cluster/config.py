@@ -17,7 +17,8 @@ REDIS_POLL_S = 0.5  # how long one wait for a front end's outputs lasts
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``name``: local (this instance alone, no Redis: the default), global (instances share
-    work through Redis); ``role``: mixed, or prefill / decode in a disaggregated cluster;
+    work through Redis), splitwise (global, with prefill and decode instances);
+    ``role``: mixed, or prefill / decode in a splitwise cluster;
     ``ttl``: seconds after its last load report that an instance counts as dead; ``topic``:
     the cluster's name, so that several clusters may share one Redis."""
 
@@ -28,19 +29,23 @@ class SchedulerConfig:
     ttl: float = 10.0
     topic: str = "default"
     role: str = "mixed"
+    # prefill/decode disaggregation: the KV-cache connector (fd_core.interfaces.kv_transfer),
+    # and where a decode instance's listens (port 0: any free one)
+    cache_transfer_protocol: str = "tcp"
+    pd_comm_host: str = "127.0.0.1"
+    pd_comm_port: int = 0
     instance_id: str = ""  # set when the instance starts
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULERS:
             raise ConfigError(f"--scheduler-name {self.name}: expected one of {', '.join(SCHEDULERS)}")
-        if self.name == "splitwise":
-            raise ConfigError("--scheduler-name splitwise: prefill/decode disaggregation is not built yet in fd; "
-                              "use --scheduler-name global with mixed instances")
         if self.role not in ROLES:
             raise ConfigError(f"--role {self.role}: expected one of {', '.join(ROLES)}")
-        if self.role != "mixed":
-            raise ConfigError(f"--role {self.role}: prefill/decode disaggregation is not built yet in fd; "
-                              "only mixed instances run")
+        if self.role != "mixed" and self.name != "splitwise":
+            raise ConfigError(f"--role {self.role}: a prefill or decode instance joins a disaggregated cluster: "
+                              f"give --scheduler-name splitwise (and the cluster's --scheduler-host/-port)")
+        if not 0 <= self.pd_comm_port < 65536:
+            raise ConfigError(f"--pd-comm-port {self.pd_comm_port}: a port is a number from 0 (any) to 65535")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--scheduler-port {self.port}: a port is a number from 1 to 65535")
         if not self.ttl > 0:
@@ -50,7 +55,8 @@ class SchedulerConfig:
 
     @property
     def is_global(self) -> bool:
-        return self.name == "global"
+        """Whether the instance works through the cluster's Redis (global, splitwise)."""
+        return self.name in ("global", "splitwise")
 
     @property
     def address(self) -> RedisAddress:

@@ -14,7 +14,8 @@ them. Keys, under ``fd:{topic}:``:
   it announced of its engine (for a front end), expiring with it;
 - ``queue:{id}``: request ids waiting for that instance, oldest first;
 - ``req``: request id -> ``Envelope`` (who submitted it, its payload, its prompt length);
-- ``owner``: request id -> the instance running it; ``running:{id}``: the ids it runs;
+- ``owner``: request id -> the instance running it; ``running:{id}``: the ids it runs (a
+  request handed from a prefill to a decode instance changes owner: ``hand_over``);
 - ``abort:{id}``: request ids the instance is asked to abort;
 - ``results:{origin}``: result batches for a submitter, oldest first.
 
@@ -90,6 +91,10 @@ class Load(msgspec.Struct, array_like=True):
     capacity: int = 0  # sequences it may run at once (max_num_seqs)
     served: int = 0  # requests it finished since it started
     time: float = 0.0  # the report's wall-clock time
+    # a decode instance: where its KV-cache connector listens, and what its KV cache holds
+    # (a prefill instance sends only to a decode instance whose layout is its own)
+    kv_endpoint: str = ""
+    kv_layout: str = ""
 
 
 class Envelope(msgspec.Struct, array_like=True):
@@ -242,6 +247,23 @@ class GlobalScheduler:
         pipe.hdel(self.key("req"), *request_ids)
         pipe.execute()
 
+    def hand_over(self, request_id: str, target: str, owner: str | None = None) -> None:
+        """Make ``target`` (a decode instance) the owner of a request ``owner`` (default: this
+        instance) runs: aborts go to it, and its death ends the request."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.srem(self.key("running", owner or self.instance), request_id)
+        pipe.sadd(self.key("running", target), request_id)
+        pipe.hset(self.key("owner"), request_id, target)
+        pipe.execute()
+
+    def end(self, request_id: str, owner: str) -> None:
+        """Forget a request ``owner`` was given but will not run (a failed hand-over)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.srem(self.key("running", owner), request_id)
+        pipe.hdel(self.key("owner"), request_id)
+        pipe.hdel(self.key("req"), request_id)
+        pipe.execute()
+
     def publish(self, batches: dict[str, list[bytes]]) -> None:
         """Send each origin its result batches, in order."""
         if not batches:
@@ -322,15 +344,17 @@ class GlobalScheduler:
     def queued(self, instance: str) -> int:
         return int(self.client.llen(self.key("queue", instance)))
 
-    def choose(self, role: str = "mixed") -> str:
+    def choose(self, role: str = "mixed", where: Callable[[str, Load], bool] | None = None) -> str:
         """An instance of ``role`` for a new request, by its work per sequence slot: requests
         queued for it in Redis, waiting and running in it, over its capacity. Mixed: the
         lightest. Prefill and decode (FastDeploy's policy for disaggregated clusters): one at
         random among those within ``LIGHT_SLACK`` of the lightest, so that several schedulers
         acting on the same reports do not all pick the same instance."""
-        candidates = {i: load for i, load in self.live().items() if load.role == role}
+        candidates = {i: load for i, load in self.live().items()
+                      if load.role == role and (where is None or where(i, load))}
         if not candidates:
-            raise SchedulerUnavailableError(f"no live {role} instance is registered with the global scheduler")
+            which = " that can take this request" if where is not None else ""
+            raise SchedulerUnavailableError(f"no live {role} instance{which} is registered with the global scheduler")
         scores = {i: (self.queued(i) + load.waiting + load.running) / max(1, load.capacity)
                   for i, load in candidates.items()}
         lightest = min(scores.values())

@@ -1,6 +1,7 @@
 """An engine core's side of the global scheduler: it pulls requests while it has room (its own
 queue first, then stealing), reports its load, takes dead instances' queues over, and sends
-each request's outputs to whoever submitted it.
+each request's outputs to whoever submitted it. A prefill instance hands its requests on after
+their first token, a decode instance takes them (``fd_core.cluster.disaggregation``).
 
 Redis going away must not stop the requests already running: an error is logged once, the
 outputs wait here (``MAX_PENDING`` at most) and go out when Redis answers again.
@@ -38,12 +39,17 @@ def parse_abort(key: str) -> tuple[str, int | None]:
 
 
 class ClusterInbox:
-    def __init__(self, config: SchedulerConfig, capacity: int) -> None:
+    def __init__(self, config: SchedulerConfig, capacity: int, core: Any = None) -> None:
+        """``core``: the engine, needed by a prefill or decode instance (its KV layout)."""
         self.config = config
         # short timeouts: a Redis that does not answer must not hold the engine's steps for long
         self.scheduler = GlobalScheduler(connect(config.address, timeout=REDIS_TIMEOUT_S), config.topic,
                                          config.instance_id, config.ttl, config.role)
         self.capacity = capacity
+        self.prefill = self.decode = None
+        self._payloads: dict[str, bytes] = {}  # a prefill instance's requests, as queued, until handed over
+        if config.role != "mixed":
+            self._disaggregate(core)
         self.heartbeat_s = min(0.5, config.ttl / 4)
         self.served = 0
         self._origins: dict[str, str] = {}  # request id -> where its results go
@@ -56,6 +62,25 @@ class ClusterInbox:
         self._ready: bytes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AddRequest)
+
+    def _disaggregate(self, core: Any) -> None:
+        from fd_core.cluster.disaggregation import TRANSFER_TIMEOUT_S, DecodeSide, PrefillSide
+        from fd_core.errors import ConfigError
+        from fd_core.plugins import get_registry
+
+        if not core.capabilities.kv_swap:
+            raise ConfigError(f"--role {self.config.role}: the {core.platform.name} backend cannot copy KV blocks "
+                              f"to host memory (Capabilities.kv_swap), which the KV-cache transfer stages through")
+        transfer = get_registry().kv_transfer(self.config.cache_transfer_protocol, TRANSFER_TIMEOUT_S)
+        if self.config.role == "prefill":
+            self.prefill = PrefillSide(self.scheduler, transfer, core)
+        else:
+            self.decode = DecodeSide(self.scheduler, transfer, core, self.config)
+
+    @property
+    def transfer_stats(self):
+        side = self.prefill or self.decode
+        return side.stats if side is not None else None
 
     def poll(self, core: Any) -> int:
         """Report, reap, apply aborts and pull requests into ``core`` while it has room; the
@@ -89,21 +114,33 @@ class ClusterInbox:
         handled = 0
         for key in self.scheduler.aborts():
             request_id, index = parse_abort(key)
-            core.abort(request_id, index)
+            if self.decode is not None:  # it may be on its way here still
+                self.decode.abort(core, request_id, index)
+            else:
+                core.abort(request_id, index)
             handled += 1
+        if self.prefill is not None:
+            if core.prefilled():  # left over while Redis was away (an idle engine publishes nothing)
+                self._hand_over(core)
+            self.prefill.poll(self._failures)
         self._forget_finished(core)
+        if self.decode is not None:  # decode instances take requests only from prefill instances
+            return handled + self.decode.admit(core, self._origins, self._failures, self._finished)
         room = self.capacity - len(core.scheduler.running) - len(core.scheduler.waiting)
         for pulled in self.scheduler.pull(room):
             handled += 1
             try:
                 msg = self._decoder.decode(pulled.payload)
-                core.add_request(pulled.request_id, msg.token_ids, params_from_wire(msg.params), msg.cache_salt)
+                core.add_request(pulled.request_id, msg.token_ids, params_from_wire(msg.params), msg.cache_salt,
+                                 hand_over=self.prefill is not None)
             except Exception as exc:  # noqa: BLE001 - this request only; the others go on
                 self._failures.setdefault(pulled.origin, []).append(
                     Failed(type(exc).__name__, str(exc), pulled.request_id))
                 self._finished.append(pulled.request_id)
                 continue
             self._origins[pulled.request_id] = pulled.origin
+            if self.prefill is not None:
+                self._payloads[pulled.request_id] = pulled.payload
         return handled
 
     def publish(self, core: Any, outputs: list[WireOutput]) -> None:
@@ -114,6 +151,11 @@ class ClusterInbox:
             origin = self._origins.get(output.request_id)
             if origin is not None:
                 self._outputs.setdefault(origin, []).append(output)
+        if self.prefill is not None and core.prefilled():
+            try:
+                self._hand_over(core)
+            except redis.RedisError as exc:
+                self._lost(exc)
         self._forget_finished(core)
         pending = sum(map(len, self._outputs.values()))
         if pending > MAX_PENDING:
@@ -142,6 +184,9 @@ class ClusterInbox:
             self.scheduler.leave()
         except redis.RedisError as exc:
             log.warning("could not leave the global scheduler cleanly: %s", exc)
+        side = self.prefill or self.decode
+        if side is not None:
+            side.transfer.close()
 
     def announce(self, ready: bytes) -> None:
         """Publish the engine's ``Ready`` for front ends (``fd router``); retried with the
@@ -154,10 +199,17 @@ class ClusterInbox:
         except redis.RedisError as exc:
             self._lost(exc)
 
+    def _hand_over(self, core: Any) -> None:
+        # the first tokens go out before the requests are handed over, so that they reach
+        # their requesters before anything the decode instance computes
+        self._flush()
+        self.prefill.hand_over(core, self._origins, self._payloads, self._failures)
+
     def _forget_finished(self, core: Any) -> None:
         done = [r for r in self._origins if r not in core.seqs]
         for request_id in done:
             del self._origins[request_id]
+            self._payloads.pop(request_id, None)
         self._finished.extend(done)
         self.served += len(done)
 
@@ -179,8 +231,11 @@ class ClusterInbox:
 
     def _load(self, core: Any) -> Load:
         pool = core.pool
-        return Load(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
+        load = Load(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
                     free_blocks=pool.num_free, num_blocks=pool.capacity, capacity=self.capacity, served=self.served)
+        if self.decode is not None:
+            load.kv_endpoint, load.kv_layout = self.decode.endpoint, self.decode.layout
+        return load
 
     def _lost(self, exc: Exception) -> None:
         if self._down_since is None:

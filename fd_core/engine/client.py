@@ -319,8 +319,10 @@ class AsyncEngineClient:
                         self.scheduler.address, exc)
 
     def _submit(self, msg: AddRequest) -> None:
-        # this instance's own queue: an idle instance steals from it (FastDeploy's way)
-        self._cluster.submit(self._origin, self._origin, msg.request_id, self._encoder.encode(msg), len(msg.token_ids))
+        # this instance's own queue: an idle instance steals from it (FastDeploy's way); a
+        # decode instance takes no prompts: a prefill instance's queue
+        target = self._cluster.choose("prefill") if self.scheduler.role == "decode" else self._origin
+        self._cluster.submit(target, self._origin, msg.request_id, self._encoder.encode(msg), len(msg.token_ids))
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:

@@ -111,6 +111,18 @@ class _InFlight:
     advance: Advance | None = None  # its rows' grammars, advanced on the grammar thread
 
 
+@dataclass
+class Prefilled:
+    """A request whose prompt another instance computed (prefill/decode disaggregation): the
+    token it sampled first, the seed its sequence drew with, the prompt tokens its prefix cache
+    supplied there, and the prompt's keys and values, per rank (``EngineCore.export_kv``)."""
+
+    first_token: int
+    seed: int
+    kv: list
+    num_cached_tokens: int = 0
+
+
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int,
                  max_num_batched_tokens: int, chunked_prefill: bool) -> None:
     """Reject a prompt the engine could never run, with the reason. Used by every front end
@@ -281,6 +293,7 @@ class EngineCore:
         self._masks: MaskWorker | None = None  # the grammar thread, where masks are deferred
         self._unavailable: dict[str, str] | None = None  # unavailable(), once asked
         self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
+        self._prefilled: list[Sequence] = []  # hand_over sequences past their first token
         self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
@@ -367,9 +380,15 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, hand_over: bool = False,
+                    prefilled: Prefilled | None = None) -> None:
         """Queue a request. ``cache_salt`` keeps its prefix-cache entries apart from those of
-        requests with another salt (tenants that must not learn each other's prompts)."""
+        requests with another salt (tenants that must not learn each other's prompts).
+
+        Prefill/decode disaggregation: ``hand_over`` (a prefill instance) stops the request
+        once its first token is sampled, holding its blocks (``prefilled``, ``release``);
+        ``prefilled`` (a decode instance) continues one computed elsewhere from that token.
+        A request with ``n > 1`` is not handed over: it runs here whole."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
@@ -405,6 +424,12 @@ class EngineCore:
                 allowed_tokens=allowed, bad_words=words, reads_history=history,
             )
             seqs.append(seq)
+        if prefilled is not None:
+            self._continue(seqs, prefilled)
+            return
+        if hand_over and self.async_scheduling:
+            raise ConfigError("handing requests over after their prefill needs --async-scheduling off")
+        seqs[0].hand_over = hand_over and params.n == 1
         # the first computes the prompt; the others fork from it (Scheduler.fork)
         seqs[0].forks = seqs[1:]
         if params.prompt_logprobs is not None:
@@ -416,6 +441,45 @@ class EngineCore:
         self.scheduler.add(seqs[0])
         self.seqs[request_id] = seqs
         self.stats["prompt_tokens"] += len(token_ids) * params.n
+
+    def _continue(self, seqs: list[Sequence], prefilled: Prefilled) -> None:
+        """Queue a sequence whose prompt was computed on a prefill instance, from its first
+        token on: it is admitted with the transferred keys and values (Scheduler) and computes
+        no prompt token here; the prefill instance counted the prompt."""
+        if len(seqs) != 1:
+            raise InvalidRequestError("a request handed over from a prefill instance has one sequence (n=1)")
+        seq = seqs[0]
+        token = int(prefilled.first_token)
+        if not 0 <= token < self.model_config.vocab_size:
+            raise InvalidRequestError(f"a handed-over first token {token} outside the vocabulary")
+        seq.output_token_ids = [token]
+        seq.seed = prefilled.seed
+        seq.num_cached_tokens = prefilled.num_cached_tokens
+        seq.kv_import = prefilled.kv
+        if seq.grammar is not None:
+            seq.grammar.advance(token)
+        self.scheduler.add(seq)
+        self.seqs[seq.request_id] = seqs
+
+    def prefilled(self) -> list[Sequence]:
+        """The ``hand_over`` sequences whose first token came out and that wait, out of
+        scheduling and holding their blocks, to be ``release``d once sent on."""
+        return list(self._prefilled)
+
+    def export_kv(self, seq: Sequence) -> list:
+        """The keys and values of ``seq``'s prompt as host arrays, per rank: what a decode
+        instance's ``Prefilled.kv`` takes."""
+        blocks = -(-len(seq.prompt_token_ids) // self.config.block_size)
+        return self.executor.export_kv(seq.block_table[:blocks])
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a handed-over sequence, freeing its blocks (full ones stay in the prefix
+        cache); its request's outputs continue elsewhere."""
+        self.scheduler.finish(seq)
+        if seq in self._prefilled:
+            self._prefilled.remove(seq)
+        seq.status, seq.finish_reason, seq.grammar = Status.FINISHED, "handed_over", None
+        self.seqs.pop(seq.request_id, None)
 
     def unavailable(self) -> dict[str, str]:
         """The sampling fields this engine cannot honour, each with why (``check_params``);
@@ -454,6 +518,8 @@ class EngineCore:
             if (index is None or seq.index == index) and not seq.finished:
                 self.scheduler.finish(seq)
                 self._scoring.discard(seq)
+                if seq in self._prefilled:
+                    self._prefilled.remove(seq)
                 seq.status, seq.finish_reason, seq.grammar = Status.FINISHED, "abort", None
                 while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # never read
                     seq.output_token_ids.pop()
@@ -488,6 +554,8 @@ class EngineCore:
             self.executor.swap_out(out.swap_out)
         if out.swap_in:
             self.executor.swap_in(out.swap_in)
+        for blocks, first, kv in out.kv_import:
+            self.executor.import_kv(blocks, first, kv)
         if not out.scheduled:
             if self._in_flight is not None:  # e.g. every running sequence awaits its last token
                 return outputs + self._land()
@@ -712,6 +780,9 @@ class EngineCore:
             if (grammar or token in eos or p.stop_token_ids or count >= seq.max_tokens
                     or len(seq.prompt_token_ids) + count >= max_model_len):  # it may end here
                 self._check_finish(seq, token, output, count, grammar)
+            if seq.hand_over and count == 1 and not seq.finished:  # its decode continues elsewhere
+                self.scheduler.running.remove(seq)
+                self._prefilled.append(seq)
             outputs.append(output)
         self.stats["generation_tokens"] += len(outputs)
         return outputs

@@ -78,12 +78,16 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
         try:
             from fd_core.engine.core import EngineCore
 
-            core = EngineCore(config)
             cluster = None
+            if scheduler is not None and scheduler.is_global:
+                from fd_core.cluster.disaggregation import configure_engine
+
+                config = configure_engine(config, scheduler)
+            core = EngineCore(config)
             if scheduler is not None and scheduler.is_global:
                 from fd_core.cluster.instance import ClusterInbox
 
-                cluster = ClusterInbox(scheduler, config.max_num_seqs)
+                cluster = ClusterInbox(scheduler, config.max_num_seqs, core)
             # the runtime may have hooked SIGTERM to dump a crash report; from the client it
             # is an ordinary stop request
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -122,8 +126,12 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             os._exit(code)
 
 
-def _stats(core) -> Stats:
+def _stats(core, cluster: ClusterInbox | None = None) -> Stats:
     pool, s, c = core.pool, core.stats, core.cache_stats()
+    transfer = cluster.transfer_stats if cluster is not None else None
+    if transfer is not None:  # prefill: sent; decode: received
+        s = {**s, "kv_transfers": transfer.requests, "kv_transfer_bytes": transfer.bytes,
+             "kv_transfer_seconds": transfer.seconds, "kv_transfer_failures": transfer.failures}
     return Stats(
         num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
         kv_cache_usage=pool.usage(), num_free_blocks=pool.num_free, num_blocks=pool.capacity,
@@ -139,6 +147,9 @@ def _stats(core) -> Stats:
         spec_drafts_total=s.get("spec_drafts", 0), spec_draft_tokens_total=s.get("spec_draft_tokens", 0),
         spec_accepted_tokens_total=s.get("spec_accepted_tokens", 0),
         spec_accepted_per_pos=list(s.get("spec_accepted_per_pos", ())),
+        kv_transfers_total=s.get("kv_transfers", 0), kv_transfer_bytes_total=s.get("kv_transfer_bytes", 0),
+        kv_transfer_seconds_total=s.get("kv_transfer_seconds", 0.0),
+        kv_transfer_failures_total=s.get("kv_transfer_failures", 0),
     )
 
 
@@ -197,5 +208,5 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
             outputs = []  # idle: stats only (and at once after an abort freed blocks)
         else:
             continue
-        outbox.send(encoder.encode(StepOutputs(outputs, _stats(core))))
+        outbox.send(encoder.encode(StepOutputs(outputs, _stats(core, cluster))))
         last_sent = time.monotonic()

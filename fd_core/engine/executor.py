@@ -237,6 +237,21 @@ class Executor:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._everywhere("swap_in", pairs)
 
+    def export_kv(self, block_ids: list[int]) -> list[list[np.ndarray]]:
+        """The keys and values of ``block_ids`` as host arrays, by rank (ModelRunner.export_kv)."""
+        return self._all_ranks("export_kv", block_ids)
+
+    def import_kv(self, block_ids: list[int], first: int, per_rank: list[list[np.ndarray]]) -> None:
+        """Write transferred blocks ``first, first + 1, ...`` of each rank's arrays into
+        ``block_ids`` (every rank takes its own: ``_worker``)."""
+        if len(per_rank) != (1 if self.runner is not None else self.workers.world_size):
+            raise BackendError(f"transferred keys and values of {len(per_rank)} ranks for an engine of another "
+                               f"tensor-parallel size")
+        if self.runner is not None:
+            self.runner.import_kv(block_ids, first, per_rank[0])
+        else:
+            self._everywhere("import_kv", block_ids, first, per_rank)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             self._everywhere("copy_blocks", pairs)
@@ -346,6 +361,8 @@ def _worker(rank: int, calls: str, replies: str) -> int:
                     _, method, args = message
                     if method == "step" and rank != 0:
                         args = (args[0], None, None, False)  # rank 0 samples and scores; the others only compute
+                    elif method == "import_kv":
+                        args = (args[0], args[1], args[2][rank])  # each rank its own heads
                     result = getattr(runner, method)(*args)
             except Exception as exc:  # reported to rank 0, which stops the engine
                 log.exception("tensor-parallel rank %d failed", rank)

@@ -20,6 +20,7 @@ from fd_core.engine import bad_words
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
+from fd_core.quantization.kv_cache import cache_layout
 from fd_core.interfaces import (
     AttentionMetadata,
     Memory,
@@ -290,6 +291,7 @@ class ModelRunner:
         return "" if self.ops.has("token_logprobs") else "its op table has no token_logprobs op"
 
     def initialize_kv_cache(self, num_blocks: int, dtype: str = "float32") -> None:
+        self._cache_dtype = dtype
         self.kv_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype)
         if self.proposer is not None:
             self.proposer_caches = self._allocate(self.memory.allocate_kv_cache, num_blocks, dtype, self.proposer)
@@ -311,6 +313,36 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.memory.copy_blocks(self._all_caches, self.block_size, pairs)
+
+    def export_kv(self, block_ids: list[int]) -> list[np.ndarray]:
+        """``block_ids``' keys and values as host arrays, a key and a value per layer, each
+        ``[len(block_ids) * block_size, heads, row]`` in the cache's storage dtype (bfloat16 comes
+        as float32, exactly). Staged through a host cache of their size with the Memory's
+        ``swap_blocks``, the copy preemption by swap uses."""
+        if not block_ids:
+            return []
+        staging = self._allocate(self.memory.allocate_host_kv_cache, len(block_ids), self._cache_dtype)
+        self.memory.swap_blocks(self.kv_caches, staging, self.block_size, list(zip(block_ids, range(len(block_ids)))))
+        return [self.memory.to_numpy(t) for pair in staging for t in pair]
+
+    def import_kv(self, block_ids: list[int], first: int, arrays: list[np.ndarray]) -> None:
+        """Write blocks ``first, first + 1, ...`` of ``export_kv``'s ``arrays`` (from another
+        engine of the same model, cache dtype and block size) into ``block_ids``."""
+        if not block_ids:
+            return
+        layers = len(self.kv_caches)
+        if len(arrays) != 2 * layers:
+            raise ValueError(f"transferred keys and values of {len(arrays) // 2} layers for a model of {layers}")
+        bs, n = self.block_size, len(block_ids)
+        rows = slice(first * bs, (first + n) * bs)
+        storage = cache_layout(self._cache_dtype, self.model.head_dim)[1]  # what export_kv read
+        staged = [(self.memory.from_numpy(arrays[2 * i][rows], storage),
+                   self.memory.from_numpy(arrays[2 * i + 1][rows], storage)) for i in range(layers)]
+        want = tuple(self.kv_caches[0][0].shape[1:])
+        if tuple(staged[0][0].shape[1:]) != want or staged[0][0].shape[0] != n * bs:
+            raise ValueError(f"transferred blocks of shape {tuple(staged[0][0].shape)} for {n} blocks of "
+                             f"{bs} x {want}")
+        self.memory.swap_blocks(staged, self.kv_caches, bs, list(zip(range(n), block_ids)))
 
     def profile_memory(self, num_tokens: int, num_rows: int, max_model_len: int, dtype: str) -> tuple[int, int, int]:
         """Run the largest step the engine may schedule — ``num_tokens`` prompt tokens in

@@ -85,6 +85,9 @@ class SchedulerOutput:
     # block copies the step makes before it computes: (device, host) out, (host, device) in
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # keys and values computed elsewhere to write before the step: (blocks, their index among
+    # the transferred ones, the transferred per-rank arrays)
+    kv_import: list[tuple[list[int], int, object]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -279,6 +282,8 @@ class Scheduler:
             self.pool.grow(seq, seq.num_computed + num_new)
             return num_new
 
+        if seq.kv_import is not None:
+            return self._admit_transferred(seq, budget, out)
         hits = self.pool.match(seq)
         if seq.owes_prompt_logprobs:
             # a cached position is not computed, so it gives no logits to score the next prompt
@@ -294,6 +299,24 @@ class Scheduler:
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = cached
         return num_new
+
+    def _admit_transferred(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit a sequence whose prompt was computed on another instance (its first token
+        sampled there): it takes blocks for all its tokens, the transferred keys and values go
+        into those the prefix cache does not already hold, and it computes only its last token."""
+        if budget < 1:
+            return None
+        hits = self.pool.match(seq)
+        if not self.pool.can_admit(seq, hits, seq.num_tokens, reserve=self._reserved):
+            return None
+        self.pool.admit(seq, hits, seq.num_tokens)
+        prompt = len(seq.prompt_token_ids)
+        blocks = -(-prompt // self.pool.block_size)
+        if blocks > len(hits):
+            out.kv_import.append((seq.block_table[len(hits):blocks], len(hits), seq.kv_import))
+        seq.kv_import = None
+        seq.num_computed = seq.proposer_computed = prompt
+        return 1
 
     def _fit(self, remaining: int, budget: int) -> int | None:
         if not self.chunked_prefill:

@@ -72,6 +72,13 @@ class Sequence:
     # draft model, MTP layers) holds keys and values for in its cache layers
     draft_token_ids: list[int] = field(default_factory=list)
     proposer_computed: int = 0
+    # prefill/decode disaggregation (fd_core.cluster.disaggregation): ``hand_over``, on a
+    # prefill instance: once its first token is sampled it stops and waits, blocks held, for
+    # its keys and values to be sent on (EngineCore.prefilled); ``kv_import``, on a decode
+    # instance: its prompt's keys and values, computed elsewhere, per rank, written into its
+    # blocks when it is admitted
+    hand_over: bool = False
+    kv_import: Any = field(default=None, repr=False)
 
     @property
     def owes_prompt_logprobs(self) -> bool:

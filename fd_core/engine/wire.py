@@ -103,6 +103,13 @@ class Stats(msgspec.Struct, array_like=True):
     spec_draft_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_accepted_per_pos: list[int] = []
+    # prefill/decode disaggregation: requests whose KV cache this instance sent (prefill) or
+    # received (decode), the bytes, the seconds sends took until acknowledged (prefill), and the
+    # sends that failed
+    kv_transfers_total: int = 0
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_failures_total: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -264,7 +264,8 @@ def add_scheduler_args(p: argparse.ArgumentParser, router: bool = False) -> None
     if not router:
         g.add_argument("--scheduler-name", default="local", choices=("local", "global", "splitwise"),
                        help="local: this instance alone (default); global: instances take requests from queues in "
-                            "Redis, an idle one stealing from the busiest")
+                            "Redis, an idle one stealing from the busiest; splitwise: global, with prefill and "
+                            "decode instances (--role)")
     g.add_argument("--scheduler-host", default="127.0.0.1", help="the Redis host (default: 127.0.0.1)")
     g.add_argument("--scheduler-port", type=_port, default=6379, help="the Redis port (default: 6379)")
     g.add_argument("--scheduler-password", default=None, help="the Redis password, if it has one")
@@ -274,8 +275,18 @@ def add_scheduler_args(p: argparse.ArgumentParser, router: bool = False) -> None
                    help="seconds without a load report after which an instance counts as dead: its queued "
                         "requests go to another, its running ones end with an error (default: 10)")
     if not router:
-        g.add_argument("--role", "--splitwise-role", dest="role", default="mixed",
-                       help="mixed (default); prefill and decode are refused until disaggregation lands")
+        g.add_argument("--role", "--splitwise-role", dest="role", default="mixed", choices=("mixed", "prefill", "decode"),
+                       help="mixed (default): prefill and decode here; prefill: compute prompts and send their KV "
+                            "caches to a decode instance; decode: continue requests from their first token "
+                            "(--scheduler-name splitwise)")
+        g.add_argument("--cache-transfer-protocol", default="tcp",
+                       help="the KV-cache connector between prefill and decode instances: tcp (fd-core's, "
+                            "ZeroMQ) or one a backend package registers (default: tcp)")
+        g.add_argument("--pd-comm-host", default="127.0.0.1",
+                       help="the address a decode instance receives KV caches on, as prefill instances reach "
+                            "it (default: 127.0.0.1)")
+        g.add_argument("--pd-comm-port", type=int, default=0,
+                       help="the port a decode instance receives KV caches on (default: 0, any free one)")
 
 
 def scheduler_config(args: argparse.Namespace):
@@ -283,7 +294,9 @@ def scheduler_config(args: argparse.Namespace):
 
     return SchedulerConfig(name=args.scheduler_name, host=args.scheduler_host, port=args.scheduler_port,
                            password=args.scheduler_password, ttl=args.scheduler_ttl, topic=args.scheduler_topic,
-                           role=args.role)
+                           role=args.role, cache_transfer_protocol=getattr(args, "cache_transfer_protocol", "tcp"),
+                           pd_comm_host=getattr(args, "pd_comm_host", "127.0.0.1"),
+                           pd_comm_port=getattr(args, "pd_comm_port", 0))
 
 
 def engine_config(args: argparse.Namespace):

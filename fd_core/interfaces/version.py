@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.13.0"
+API_VERSION = "1.14.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -38,6 +38,8 @@ API_VERSION = "1.13.0"
 # 1.13: RunnerLimits.num_speculative_tokens (speculative decoding: decode rows of up to 1 + k
 #      tokens), and a wrap_forward replacement's optional uniform_drafts (the engine then pads
 #      every decoding sequence's drafts to k, so verification steps have one shape per batch size)
+# 1.14: the fd_kv_transfers hook and fd_core.interfaces.kv_transfer.KVTransfer: KV-cache
+#      connectors for prefill/decode disaggregation (--cache-transfer-protocol)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

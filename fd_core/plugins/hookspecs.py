@@ -32,3 +32,11 @@ def fd_register_ops(registry: "OpRegistry") -> None:  # type: ignore[name-define
     (``runtime="torch"``, API 1.2); ``registry.use_reference(device_type, runtime)`` adopts a
     runtime's reference ops as the package's own without importing that runtime here.
     """
+
+
+@hookspec
+def fd_kv_transfers() -> dict:
+    """Return KV-cache connectors by name (API 1.14): ``{"name": factory}``, where
+    ``factory(timeout)`` makes a ``fd_core.interfaces.kv_transfer.KVTransfer``. An instance
+    started with ``--cache-transfer-protocol name`` moves requests' keys and values between
+    prefill and decode instances with it. fd-core ships ``tcp``."""

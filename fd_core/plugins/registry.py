@@ -152,6 +152,7 @@ class BackendRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.ops = OpRegistry()
         self.records: list[BackendRecord] = []
+        self.transfers: dict[str, tuple[Any, str]] = {}  # KV-cache connectors: name -> (factory, package)
         self._load(list(entry_points) if entry_points is not None else self._entry_points())
 
     @staticmethod
@@ -209,6 +210,10 @@ class BackendRegistry:
             if record.name in impls:
                 platforms = _call(impls[record.name]) or []
                 record.platforms = list(platforms) if isinstance(platforms, (list, tuple)) else [platforms]
+            transfer_impls = {i.plugin_name: i for i in self.pm.hook.fd_kv_transfers.get_hookimpls()}
+            if record.name in transfer_impls:
+                for name, factory in (_call(transfer_impls[record.name]) or {}).items():
+                    self.transfers.setdefault(name, (factory, record.package))
             op_impls = {i.plugin_name: i for i in self.pm.hook.fd_register_ops.get_hookimpls()}
             if record.name in op_impls:
                 with self.ops.registering(record.package, str(getattr(record.module, "FD_API_VERSION", API_VERSION))):
@@ -264,6 +269,24 @@ class BackendRegistry:
         if self.failures():
             text += "; failed: " + "; ".join(f"{r.name} ({r.error})" for r in self.failures())
         return text
+
+    def kv_transfer(self, name: str, timeout: float = 30.0):
+        """A KV-cache connector (``--cache-transfer-protocol``): fd-core's ``tcp`` and ``nixl``
+        (where NIXL is installed), or one a package registered (``fd_kv_transfers``)."""
+        if name == "tcp":
+            from fd_core.cluster.tcp_transfer import TcpTransfer
+
+            return TcpTransfer(timeout)
+        if name == "nixl":  # fd-core's adapter; ConfigError naming the package where it is missing
+            from fd_core.cluster.nixl_transfer import NixlTransfer
+
+            return NixlTransfer(timeout)
+        if name not in self.transfers:
+            known = ", ".join(["tcp", "nixl", *sorted(self.transfers)])
+            raise ConfigError(f"--cache-transfer-protocol {name}: no such KV-cache connector is installed "
+                              f"(installed: {known})")
+        factory, _ = self.transfers[name]
+        return factory(timeout)
 
     def reference_ops(self, runtime: str) -> dict[str, Callable[..., Any]]:
         return dict(import_runtime(runtime).REFERENCE_OPS)

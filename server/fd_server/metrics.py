@@ -74,6 +74,14 @@ _ENGINE_FIGURES = (
      "KV-cache blocks holding a cached prefix, in use or free until reused.", "gauge"),
     ("prefix_cache_evictions_total", "prefix_cache_evictions",
      "Cached prefix blocks dropped from the prefix cache to be reused for other tokens.", "counter"),
+    # prefill/decode disaggregation (zero elsewhere)
+    ("kv_transfers_total", "kv_transfers",
+     "Requests whose KV cache this instance sent to a decode instance (prefill) or received (decode).", "counter"),
+    ("kv_transfer_bytes_total", "kv_transfer_bytes", "Bytes of those KV caches.", "counter"),
+    ("kv_transfer_seconds_total", "kv_transfer_seconds",
+     "Seconds the sends took, each from its start to the decode instance's acknowledgement (prefill).", "counter"),
+    ("kv_transfer_failures_total", "kv_transfer_failures",
+     "KV-cache sends not acknowledged in time (each tried once more elsewhere).", "counter"),
     ("report_age_seconds", "engine_report_age_seconds",
      ("Seconds since the engine core last reported (after every step; every 0.25 s when idle): the age of "
       "the engine figures here. Past --heartbeat-timeout, /health is 503."), "gauge"),
