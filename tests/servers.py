@@ -38,9 +38,10 @@ class Server:
     """One ``python -m fd_server`` process on a free loopback port."""
 
     def __init__(self, model: str, log_path: Path, *args: str, env: dict[str, str] | None = None,
-                 command: list[str] | None = None) -> None:
+                 command: list[str] | None = None, wait: bool = True) -> None:
         """``command``: what starts the server (default: this interpreter's ``-m fd_server``),
-        e.g. another venv's ``fd serve``."""
+        e.g. another venv's ``fd serve``. ``wait=False``: return at once (several servers then
+        load their models side by side); ``wait_ready()`` before using it."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -51,7 +52,12 @@ class Server:
                "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + START_TIMEOUT_S
+        self._started = time.monotonic()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "Server":
+        deadline = self._started + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"fd serve exited with {self.proc.returncode}:\n{self.log()}")
@@ -64,6 +70,7 @@ class Server:
                 self.stop()
                 raise RuntimeError(f"fd serve was not ready in {START_TIMEOUT_S} s:\n{self.log()}")
             time.sleep(0.2)
+        return self
 
     def log(self) -> str:
         self._log.flush()

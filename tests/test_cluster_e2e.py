@@ -38,8 +38,10 @@ def cluster(tmp_path_factory):
             "--scheduler-port", str(redis.port), "--scheduler-topic", "e2e", "--scheduler-ttl", "3"]
     servers = []
     try:
-        servers.append(Server(DEFAULT_MODEL, folder / "a.log", *args))
-        servers.append(Server(DEFAULT_MODEL, folder / "b.log", *args))
+        servers.append(Server(DEFAULT_MODEL, folder / "a.log", *args, wait=False))  # both load side by side
+        servers.append(Server(DEFAULT_MODEL, folder / "b.log", *args, wait=False))
+        for server in servers:
+            server.wait_ready()
         yield redis, servers[0], servers[1]
     finally:
         for server in servers:

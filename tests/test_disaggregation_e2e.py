@@ -22,7 +22,7 @@ from tests.servers import API_KEY, Server  # noqa: E402
 
 PROMPTS = [f"Name one thing about the number {i}, in a few words." for i in range(32)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-MAX_TOKENS = 10
+MAX_TOKENS = 6
 # one sequence at a time everywhere: every request runs alone, so its greedy text cannot depend
 # on what ran beside it
 ENGINE = ["--max-model-len", "512", "--max-num-seqs", "1", "--api-key", API_KEY]
@@ -38,9 +38,14 @@ def pd(tmp_path_factory):
                "--scheduler-ttl", "3"]
     servers = []
     try:
-        servers.append(Server(DEFAULT_MODEL, folder / "plain.log", *ENGINE))
-        servers.append(Server(DEFAULT_MODEL, folder / "prefill.log", *ENGINE, *cluster, "--role", "prefill"))
-        servers.append(Server(DEFAULT_MODEL, folder / "decode.log", *ENGINE, *cluster, "--splitwise-role", "decode"))
+        # the three engines load side by side
+        servers.append(Server(DEFAULT_MODEL, folder / "plain.log", *ENGINE, wait=False))
+        servers.append(Server(DEFAULT_MODEL, folder / "prefill.log", *ENGINE, *cluster, "--role", "prefill",
+                              wait=False))
+        servers.append(Server(DEFAULT_MODEL, folder / "decode.log", *ENGINE, *cluster, "--splitwise-role", "decode",
+                              wait=False))
+        for server in servers:
+            server.wait_ready()
         servers.append(Server(DEFAULT_MODEL, folder / "router.log", "--api-key", API_KEY, "--scheduler-port",
                               str(redis.port), "--scheduler-topic", "pd", "--scheduler-ttl", "3",
                               command=[sys.executable, "-m", "fd_core.entrypoints.cli", "router"]))
@@ -75,10 +80,13 @@ def streamed(server: Server, prompt: str) -> str:
 def test_prefill_and_decode_instances_give_a_plain_instances_texts(pd):
     plain, prefill, decode, router = pd
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        texts = list(pool.map(lambda p: complete(router, p), PROMPTS))
-        chats = list(pool.map(lambda p: streamed(router, p), PROMPTS))
-    assert texts == [complete(plain, p) for p in PROMPTS]
-    assert chats == [streamed(plain, p) for p in PROMPTS]
+        texts = pool.map(lambda p: complete(router, p), PROMPTS)
+        chats = pool.map(lambda p: streamed(router, p), PROMPTS)
+        # the plain instance meanwhile, on its own engine
+        plain_texts = pool.map(lambda p: complete(plain, p), PROMPTS)
+        plain_chats = pool.map(lambda p: streamed(plain, p), PROMPTS)
+        assert list(texts) == list(plain_texts)
+        assert list(chats) == list(plain_chats)
     d, p = decode.metrics(), prefill.metrics()
     n = 2 * len(PROMPTS)
     # the decode instance ran every request past its first token and not one prompt token
@@ -88,8 +96,11 @@ def test_prefill_and_decode_instances_give_a_plain_instances_texts(pd):
     assert d["fd:kv_transfers_total"] == p["fd:kv_transfers_total"] == n
     assert d["fd:kv_transfer_bytes_total"] == p["fd:kv_transfer_bytes_total"] > 0
     assert p["fd:kv_transfer_failures_total"] == 0
+    assert p["fd:kv_transfer_staging_seconds_total"] > 0 and d["fd:kv_transfer_staging_seconds_total"] > 0
     print(f"\nKV transfer per request: {p['fd:kv_transfer_bytes_total'] / n / 2**20:.2f} MiB in "
-          f"{p['fd:kv_transfer_seconds_total'] / n * 1000:.1f} ms")
+          f"{p['fd:kv_transfer_seconds_total'] / n * 1000:.1f} ms; staging out "
+          f"{p['fd:kv_transfer_staging_seconds_total'] / n * 1000:.1f} ms, in "
+          f"{d['fd:kv_transfer_staging_seconds_total'] / n * 1000:.1f} ms")
     deadline = time.monotonic() + 10
     while decode.metrics()["fd:kv_cache_free_blocks"] != decode.metrics()["fd:kv_cache_total_blocks"]:
         assert time.monotonic() < deadline, "the decode instance's blocks were not all freed"

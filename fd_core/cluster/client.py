@@ -81,6 +81,18 @@ class ClusterClient(AsyncEngineClient):
                 self._seen_live = time.monotonic()
             await asyncio.sleep(WATCH_S)
 
+    def _load_tokenizer(self):
+        # the tokenizer alone: the instances hold the weights, and a folder served with
+        # --load-format dummy has none
+        from fd_core.loader import resolve_model
+        from fd_core.loader.chat_template import read_chat_template
+        from fd_core.loader.formats import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model(self.config.tokenizer or self.config.model))
+        if self.config.chat_template is not None:
+            tokenizer.chat_template = read_chat_template(self.config.chat_template)
+        return tokenizer
+
     # -- what the app asks ---------------------------------------------------------------
 
     def is_healthy(self) -> bool:

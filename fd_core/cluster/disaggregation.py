@@ -57,6 +57,7 @@ class TransferStats:
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
+    staging_seconds: float = 0.0  # copying the blocks between the device and host arrays (prefill: out)
 
 
 def configure_engine(config: Any, scheduler: SchedulerConfig) -> Any:
@@ -118,7 +119,9 @@ class PrefillSide:
                                                  f"{self.layout})", request_id))
                 self.scheduler.finish([request_id])
                 continue
+            began = time.perf_counter()
             per_rank = core.export_kv(seq)
+            self.stats.staging_seconds += time.perf_counter() - began
             header.ranks = len(per_rank)
             arrays = [a for rank in per_rank for a in rank]
             self.scheduler.hand_over(request_id, target)

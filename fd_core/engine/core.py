@@ -317,7 +317,7 @@ class EngineCore:
         # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
         # skip some, recomputation after preemption repeats some)
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
-                      "preemptions": 0}
+                      "preemptions": 0, "kv_import_seconds": 0.0}
         if spec is not None:  # vLLM's spec_decode counters: sequence-steps with drafts, drafts, accepted
             self.stats.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                               spec_accepted_per_pos=[0] * spec.num_speculative_tokens)
@@ -554,8 +554,11 @@ class EngineCore:
             self.executor.swap_out(out.swap_out)
         if out.swap_in:
             self.executor.swap_in(out.swap_in)
-        for blocks, first, kv in out.kv_import:
-            self.executor.import_kv(blocks, first, kv)
+        if out.kv_import:
+            began = time.perf_counter()
+            for blocks, first, kv in out.kv_import:
+                self.executor.import_kv(blocks, first, kv)
+            self.stats["kv_import_seconds"] += time.perf_counter() - began
         if not out.scheduled:
             if self._in_flight is not None:  # e.g. every running sequence awaits its last token
                 return outputs + self._land()

@@ -131,7 +131,8 @@ def _stats(core, cluster: ClusterInbox | None = None) -> Stats:
     transfer = cluster.transfer_stats if cluster is not None else None
     if transfer is not None:  # prefill: sent; decode: received
         s = {**s, "kv_transfers": transfer.requests, "kv_transfer_bytes": transfer.bytes,
-             "kv_transfer_seconds": transfer.seconds, "kv_transfer_failures": transfer.failures}
+             "kv_transfer_seconds": transfer.seconds, "kv_transfer_failures": transfer.failures,
+             "kv_staging_seconds": transfer.staging_seconds + s["kv_import_seconds"]}
     return Stats(
         num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
         kv_cache_usage=pool.usage(), num_free_blocks=pool.num_free, num_blocks=pool.capacity,
@@ -150,6 +151,7 @@ def _stats(core, cluster: ClusterInbox | None = None) -> Stats:
         kv_transfers_total=s.get("kv_transfers", 0), kv_transfer_bytes_total=s.get("kv_transfer_bytes", 0),
         kv_transfer_seconds_total=s.get("kv_transfer_seconds", 0.0),
         kv_transfer_failures_total=s.get("kv_transfer_failures", 0),
+        kv_staging_seconds_total=s.get("kv_staging_seconds", 0.0),
     )
 
 

@@ -252,6 +252,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[Any, Any]] = []
         self.proposer_caches: list[tuple[Any, Any]] = []
         self.host_caches: list[tuple[Any, Any]] = []  # swap space
+        self._staging: list[tuple[Any, Any]] = []  # host blocks export_kv copies through
+        self._staging_blocks = 0
         self.forward = model.forward
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
@@ -317,13 +319,19 @@ class ModelRunner:
     def export_kv(self, block_ids: list[int]) -> list[np.ndarray]:
         """``block_ids``' keys and values as host arrays, a key and a value per layer, each
         ``[len(block_ids) * block_size, heads, row]`` in the cache's storage dtype (bfloat16 comes
-        as float32, exactly). Staged through a host cache of their size with the Memory's
-        ``swap_blocks``, the copy preemption by swap uses."""
+        as float32, exactly). Staged through a host cache with the Memory's ``swap_blocks``, the
+        copy preemption by swap uses."""
         if not block_ids:
             return []
-        staging = self._allocate(self.memory.allocate_host_kv_cache, len(block_ids), self._cache_dtype)
-        self.memory.swap_blocks(self.kv_caches, staging, self.block_size, list(zip(block_ids, range(len(block_ids)))))
-        return [self.memory.to_numpy(t) for pair in staging for t in pair]
+        n = len(block_ids)
+        if n > self._staging_blocks:
+            # kept for the next requests: page-locked host memory is slow to allocate (an H100 host
+            # took about as long to pin a request's 37 MiB as to copy them)
+            self._staging_blocks = max(n, 2 * self._staging_blocks)
+            self._staging = self._allocate(self.memory.allocate_host_kv_cache, self._staging_blocks, self._cache_dtype)
+        self.memory.swap_blocks(self.kv_caches, self._staging, self.block_size, list(zip(block_ids, range(n))))
+        rows = n * self.block_size
+        return [self.memory.to_numpy(t[:rows]) for pair in self._staging for t in pair]
 
     def import_kv(self, block_ids: list[int], first: int, arrays: list[np.ndarray]) -> None:
         """Write blocks ``first, first + 1, ...`` of ``export_kv``'s ``arrays`` (from another

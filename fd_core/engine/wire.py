@@ -110,6 +110,7 @@ class Stats(msgspec.Struct, array_like=True):
     kv_transfer_bytes_total: int = 0
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_failures_total: int = 0
+    kv_staging_seconds_total: float = 0.0  # copying KV blocks device -> host (prefill) or host -> device (decode)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
