@@ -6,8 +6,8 @@ number of tokens in a given model's layout. Prints a table; nothing is asserted.
     python benchmarks/kv_transfer.py --layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16
 
 The arrays are what the engine sends: a key and a value array per layer, ``[tokens rounded up to
-whole blocks, kv heads, head dim]`` (bfloat16 caches travel as float32, as the Memory's
-``to_numpy`` gives them).
+whole blocks, kv heads, head dim]`` in the cache's dtype; bfloat16 travels as its 16-bit
+patterns (uint16), as ``ModelRunner.export_kv`` sends it since API 1.15.
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--dtype", default="float32", help="the cache dtype (bfloat16 travels as float32)")
+    ap.add_argument("--dtype", default="float32", help="the cache dtype (bfloat16 travels as its uint16 bits)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 256, 2048])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--protocols", nargs="+", default=["tcp", "nixl"])
     args = ap.parse_args()
-    dtype = np.float32 if args.dtype in ("float32", "bfloat16", "float16") else np.dtype(args.dtype)
+    dtype = np.uint16 if args.dtype == "bfloat16" else np.dtype(args.dtype)
     print(f"{args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, {args.dtype}, blocks of "
           f"{args.block_size}; median of {args.repeats} sends, each until acknowledged")
     print(f"{'connector':>9} {'tokens':>7} {'MiB':>8} {'ms':>8} {'MiB/s':>8}")

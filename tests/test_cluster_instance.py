@@ -65,6 +65,15 @@ def output(request_id, token, finish=None) -> WireOutput:
     return WireOutput(request_id, 0, token, -0.1, 1, [], finish, None)
 
 
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_requests_are_pulled_while_there_is_room_and_outputs_reach_their_submitter(redis_server):
     inbox, client, me = setup(redis_server)
     core = FakeCore()
@@ -73,9 +82,7 @@ def test_requests_are_pulled_while_there_is_room_and_outputs_reach_their_submitt
     assert inbox.poll(core) == 2  # capacity 2
     assert sorted(core.seqs) == ["r0", "r1"]
     assert inbox.poll(core) == 0  # no room
-    time.sleep(inbox.heartbeat_s)
-    inbox.poll(core)
-    assert client.live()[me].waiting == 2  # the next report says so
+    assert wait_for(lambda: client.live()[me].waiting == 2, 2 * inbox.heartbeat_s + 1)  # the next report says so
     inbox.publish(core, [output("r0", 7), output("r1", 8)])
     core.finish("r0")
     inbox.publish(core, [output("r0", 9, "length")])
@@ -143,3 +150,24 @@ def test_redis_going_away_does_not_stop_the_engine(redis_server):
     inbox.poll(core)
     (batch,) = received(client)
     assert [o.token_id for o in batch.outputs] == [5]
+
+
+def test_a_step_longer_than_the_ttl_keeps_the_instance_live_and_a_hung_loop_does_not(redis_server, monkeypatch):
+    """The load is reported by a thread of its own: an engine loop away for three TTLs (one long
+    step) is still live to the cluster; one away for STALL_S (hung) is not, so that it is reaped."""
+    from fd_core.cluster import heartbeat
+
+    config = SchedulerConfig(name="global", port=redis_server.port, topic="t", ttl=1).started()
+    inbox = ClusterInbox(config, 2)
+    client = GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="t")
+    core = FakeCore()
+    inbox.poll(core)
+    time.sleep(3 * config.ttl)  # the step; no poll meanwhile
+    assert config.instance_id in client.live()
+    monkeypatch.setattr(heartbeat, "STALL_S", 0.5)
+    assert wait_for(lambda: config.instance_id not in client.live(), 0.5 + 2 * config.ttl)
+    inbox.poll(core)  # back: reported again
+    assert wait_for(lambda: config.instance_id in client.live(), 2)
+    inbox.leave()
+    time.sleep(2 * inbox.heartbeat_s)
+    assert config.instance_id not in client.live()  # a clean stop stops the reports

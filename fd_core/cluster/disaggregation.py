@@ -22,6 +22,7 @@ import msgspec
 
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.cluster.global_scheduler import GlobalScheduler, Load
+from fd_core.cluster.role import Role
 from fd_core.engine.core import Prefilled
 from fd_core.engine.wire import AddRequest, Failed, params_from_wire
 from fd_core.errors import ConfigError, SchedulerUnavailableError
@@ -32,6 +33,10 @@ log = logging.getLogger("fd.cluster")
 TRANSFER_TIMEOUT_S = 30.0  # a send not acknowledged by then counts as failed
 TRIES = 2  # decode instances a request's KV cache is sent to before it fails
 ABORT_MEMORY_S = 60.0  # how long a decode instance remembers an abort for a request not arrived yet
+# a prefill instance pulls no new request while every decode instance of its layout has this
+# many sequences per slot (running and waiting): their KV caches would only wait there, in host memory
+DECODE_BACKLOG = 2.0
+BACKLOG_CHECK_S = 0.5
 
 
 class Handover(msgspec.Struct, array_like=True):
@@ -67,10 +72,11 @@ def configure_engine(config: Any, scheduler: SchedulerConfig) -> Any:
     its own keeps KV layers the transfer does not carry."""
     if scheduler.role == "mixed":
         return config
-    spec = config.speculative_config
-    method = getattr(spec, "method", None) or (spec.get("method") if isinstance(spec, dict) else None)
-    if spec is not None and method != "ngram":
-        raise ConfigError(f"--role {scheduler.role}: speculative decoding with a model of its own ({method or spec}) "
+    from fd_core.engine.speculative.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(config.speculative_config)  # the flag's JSON text, a dict or parsed
+    if spec is not None and spec.method != "ngram":
+        raise ConfigError(f"--role {scheduler.role}: speculative decoding with a model of its own ({spec.method}) "
                           f"is not carried across prefill/decode instances yet; use ngram, or a mixed instance")
     if scheduler.role == "prefill":
         if config.async_scheduling:
@@ -87,49 +93,97 @@ def kv_layout(core: Any) -> str:
             f"{c.cache_dtype}:b{c.block_size}:tp{core.tp.world_size}")
 
 
-class PrefillSide:
+class PrefillSide(Role):
     """Hands each request the engine prefilled (``EngineCore.prefilled``) to a decode instance."""
+
+    hand_over = True
 
     def __init__(self, scheduler: GlobalScheduler, transfer: Any, core: Any) -> None:
         self.scheduler = scheduler
         self.transfer = transfer
         self.layout = kv_layout(core)
         self.stats = TransferStats()
+        # each request as its submitter queued it, until handed over: kept here rather than read
+        # back from Redis's request hash, one round trip less per hand-over
+        self._payloads: dict[str, bytes] = {}
+        self._held = False  # the decode instances are backlogged: nothing new is pulled
+        self._next_check = 0.0
         # request id -> (header, arrays, decode instances tried), until acknowledged
         self._sending: dict[str, tuple[Handover, list, list[str]]] = {}
         self._refused: list[TransferDone] = []  # sends the connector would not start
         self._encoder = msgspec.msgpack.Encoder()
 
-    def hand_over(self, core: Any, origins: dict[str, str], payloads: dict[str, bytes],
-                  failures: dict[str, list[Failed]]) -> None:
+    def pulled(self, request_id: str, payload: bytes) -> None:
+        self._payloads[request_id] = payload
+
+    def room(self, core: Any, room: int) -> int:
+        now = time.monotonic()
+        if room > 0 and now >= self._next_check:
+            self._next_check = now + BACKLOG_CHECK_S
+            backlogs = [(load.running + load.waiting) / max(1, load.capacity)
+                        for load in self.scheduler.live().values()
+                        if load.role == "decode" and load.kv_layout == self.layout]
+            # with none at all, requests go on and end after their first token, saying so
+            held = bool(backlogs) and min(backlogs) >= DECODE_BACKLOG
+            if held and not self._held:
+                log.warning("every decode instance of this layout has %.1f sequences per slot or more: no new "
+                            "request is prefilled until one has fewer", DECODE_BACKLOG)
+            elif self._held and not held:
+                log.warning("a decode instance has room again: prefilling resumes")
+            self._held = held
+        return 0 if self._held else room
+
+    def forget(self, request_id: str) -> None:
+        self._payloads.pop(request_id, None)
+
+    def poll(self, core: Any, inbox: Any) -> int:
+        if core.prefilled():  # left over while Redis was away (an idle engine publishes nothing)
+            self.stepped(core, inbox)
+        self._completed(inbox.failures)
+        return 0
+
+    def stepped(self, core: Any, inbox: Any) -> None:
+        if core.prefilled():
+            # the first tokens go out before the requests are handed over, so that they reach
+            # their requesters before anything the decode instance computes
+            inbox.flush()
+            self.send_prefilled(core, inbox.origins, inbox.failures)
+
+    def close(self) -> None:
+        self.transfer.close()
+
+    def send_prefilled(self, core: Any, origins: dict[str, str], failures: dict[str, list[Failed]]) -> None:
         """Send on every prefilled request (its first token already published). Redis errors
         propagate: what was not handed over stays prefilled for the next call."""
         for seq in core.prefilled():
             request_id = seq.request_id
             origin = origins[request_id]
-            header = Handover(request_id, origin, payloads[request_id], seq.output_token_ids[0], seq.seed,
+            header = Handover(request_id, origin, self._payloads[request_id], seq.output_token_ids[0], seq.seed,
                               max(0, seq.num_cached_tokens), self.layout, 0, self.scheduler.instance)
             try:
                 target, load = self._choose([])
             except SchedulerUnavailableError as exc:
                 core.release(seq)
-                del origins[request_id], payloads[request_id]
+                del origins[request_id], self._payloads[request_id]
                 failures.setdefault(origin, []).append(Failed(
                     "SchedulerUnavailableError", f"the request was prefilled, but {exc} (its KV layout: "
                                                  f"{self.layout})", request_id))
                 self.scheduler.finish([request_id])
                 continue
+            if not self.scheduler.hand_over(request_id, target):
+                # reaped while it ran here (this instance looked dead): its requester was told
+                core.release(seq)
+                del origins[request_id], self._payloads[request_id]
+                continue
             began = time.perf_counter()
             per_rank = core.export_kv(seq)
             self.stats.staging_seconds += time.perf_counter() - began
             header.ranks = len(per_rank)
-            arrays = [a for rank in per_rank for a in rank]
-            self.scheduler.hand_over(request_id, target)
             core.release(seq)
-            del origins[request_id], payloads[request_id]
-            self._send(header, arrays, [target], load)
+            del origins[request_id], self._payloads[request_id]
+            self._send(header, [a for rank in per_rank for a in rank], [target], load)
 
-    def poll(self, failures: dict[str, list[Failed]]) -> None:
+    def _completed(self, failures: dict[str, list[Failed]]) -> None:
         """Account for the sends that ended; try a failed one once more elsewhere."""
         ended, self._refused = self.transfer.completed() + self._refused, []
         for done in ended:
@@ -149,11 +203,11 @@ class PrefillSide:
                     target, load = self._choose(tried)
                 except SchedulerUnavailableError:
                     target = None
-            if target is not None:
-                self.scheduler.hand_over(done.request_id, target, owner=tried[-1])
+            if target is not None and self.scheduler.hand_over(done.request_id, target, owner=tried[-1]):
                 self._send(header, arrays, [*tried, target], load)
                 continue
-            self.scheduler.end(done.request_id, tried[-1])
+            if not self.scheduler.end(done.request_id, tried[-1]):
+                continue  # the decode instance was reaped with it: its requester was told
             failures.setdefault(header.origin, []).append(Failed(
                 "SchedulerUnavailableError", f"the request's KV cache could not be sent to a decode instance "
                                              f"({', '.join(tried)}): {done.error}", done.request_id))
@@ -162,8 +216,7 @@ class PrefillSide:
         def fits(instance: str, load: Load) -> bool:
             return load.kv_layout == self.layout and bool(load.kv_endpoint) and instance not in tried
 
-        target = self.scheduler.choose("decode", fits)
-        return target, self.scheduler.live()[target]
+        return self.scheduler.pick("decode", fits)
 
     def _send(self, header: Handover, arrays: list, tried: list[str], load: Load) -> None:
         self._sending[header.request_id] = (header, arrays, tried)
@@ -173,8 +226,10 @@ class PrefillSide:
             self._refused.append(TransferDone(header.request_id, 0, 0.0, str(exc)))
 
 
-class DecodeSide:
+class DecodeSide(Role):
     """Admits the requests prefill instances hand over."""
+
+    takes_queue = False
 
     def __init__(self, scheduler: GlobalScheduler, transfer: Any, core: Any, config: SchedulerConfig) -> None:
         self.scheduler = scheduler
@@ -192,6 +247,15 @@ class DecodeSide:
             core.abort(request_id, index)
         elif index is None:
             self._aborted[request_id] = time.monotonic()
+
+    def report(self, load: Load) -> None:
+        load.kv_endpoint, load.kv_layout = self.endpoint, self.layout
+
+    def close(self) -> None:
+        self.transfer.close()
+
+    def poll(self, core: Any, inbox: Any) -> int:
+        return self.admit(core, inbox.origins, inbox.failures, inbox.finished)
 
     def admit(self, core: Any, origins: dict[str, str], failures: dict[str, list[Failed]],
               finished: list[str]) -> int:

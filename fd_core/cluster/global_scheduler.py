@@ -146,6 +146,21 @@ return {moved, running}
 """
 
 
+# KEYS: the owner hash, the running set of the owner, of the new owner; ARGV: the request id,
+# the owner, the new owner ("" to forget the request). Only while the owner still holds it: a
+# reaper may have ended it meanwhile (1 moved, 0 not).
+_MOVE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('SREM', KEYS[2], ARGV[1])
+if ARGV[3] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('SADD', KEYS[3], ARGV[1])
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+end
+return 1
+"""
+
 # KEYS: the owner hash, the req hash; ARGV: the request id, the abort list's key prefix.
 # Running: ask its instance to abort it (1). Queued: drop its envelope, which the puller then
 # skips (0). Unknown: -1.
@@ -178,6 +193,7 @@ class GlobalScheduler:
         self._pull = client.register_script(_PULL)
         self._take_over = client.register_script(_TAKE_OVER)
         self._abort = client.register_script(_ABORT)
+        self._move = client.register_script(_MOVE)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -247,22 +263,21 @@ class GlobalScheduler:
         pipe.hdel(self.key("req"), *request_ids)
         pipe.execute()
 
-    def hand_over(self, request_id: str, target: str, owner: str | None = None) -> None:
+    def hand_over(self, request_id: str, target: str, owner: str | None = None) -> bool:
         """Make ``target`` (a decode instance) the owner of a request ``owner`` (default: this
-        instance) runs: aborts go to it, and its death ends the request."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.srem(self.key("running", owner or self.instance), request_id)
-        pipe.sadd(self.key("running", target), request_id)
-        pipe.hset(self.key("owner"), request_id, target)
-        pipe.execute()
+        instance) holds: aborts go to it, and its death ends the request. False, and nothing
+        changed, where ``owner`` no longer holds it (reaped: its requester was told)."""
+        owner = owner or self.instance
+        keys = [self.key("owner"), self.key("running", owner), self.key("running", target)]
+        return bool(self._move(keys=keys, args=[request_id, owner, target]))
 
-    def end(self, request_id: str, owner: str) -> None:
-        """Forget a request ``owner`` was given but will not run (a failed hand-over)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.srem(self.key("running", owner), request_id)
-        pipe.hdel(self.key("owner"), request_id)
-        pipe.hdel(self.key("req"), request_id)
-        pipe.execute()
+    def end(self, request_id: str, owner: str) -> bool:
+        """Forget a request ``owner`` was given but will not run (a failed hand-over); False
+        where ``owner`` no longer holds it (reaped: its requester was told)."""
+        keys = [self.key("owner"), self.key("running", owner), self.key("running", owner)]
+        ended = bool(self._move(keys=keys, args=[request_id, owner, ""]))
+        self.client.hdel(self.key("req"), request_id)
+        return ended
 
     def publish(self, batches: dict[str, list[bytes]]) -> None:
         """Send each origin its result batches, in order."""
@@ -341,26 +356,33 @@ class GlobalScheduler:
         """What ``instance`` announced, None if it has not (or is gone)."""
         return self.client.get(self.key("info", instance))
 
-    def queued(self, instance: str) -> int:
-        return int(self.client.llen(self.key("queue", instance)))
-
     def choose(self, role: str = "mixed", where: Callable[[str, Load], bool] | None = None) -> str:
-        """An instance of ``role`` for a new request, by its work per sequence slot: requests
-        queued for it in Redis, waiting and running in it, over its capacity. Mixed: the
-        lightest. Prefill and decode (FastDeploy's policy for disaggregated clusters): one at
-        random among those within ``LIGHT_SLACK`` of the lightest, so that several schedulers
-        acting on the same reports do not all pick the same instance."""
+        """An instance of ``role`` for a new request (see ``pick``)."""
+        return self.pick(role, where)[0]
+
+    def pick(self, role: str = "mixed", where: Callable[[str, Load], bool] | None = None) -> tuple[str, Load]:
+        """An instance of ``role`` for a new request, with its last report, by its work per
+        sequence slot: requests queued for it in Redis, waiting and running in it, over its
+        capacity. Mixed: the lightest. Prefill and decode (FastDeploy's policy for disaggregated
+        clusters): one at random among those within ``LIGHT_SLACK`` of the lightest, so that
+        several schedulers acting on the same reports do not all pick the same instance."""
         candidates = {i: load for i, load in self.live().items()
                       if load.role == role and (where is None or where(i, load))}
         if not candidates:
             which = " that can take this request" if where is not None else ""
             raise SchedulerUnavailableError(f"no live {role} instance{which} is registered with the global scheduler")
-        scores = {i: (self.queued(i) + load.waiting + load.running) / max(1, load.capacity)
-                  for i, load in candidates.items()}
+        pipe = self.client.pipeline(transaction=False)
+        for i in candidates:
+            pipe.llen(self.key("queue", i))
+        queued = pipe.execute()
+        scores = {i: (q + load.waiting + load.running) / max(1, load.capacity)
+                  for (i, load), q in zip(candidates.items(), queued)}
         lightest = min(scores.values())
         if role == "mixed":
-            return min(scores, key=lambda i: (scores[i], i))
-        return random.choice(sorted(i for i, score in scores.items() if score <= lightest + LIGHT_SLACK))
+            chosen = min(scores, key=lambda i: (scores[i], i))
+        else:
+            chosen = random.choice(sorted(i for i, score in scores.items() if score <= lightest + LIGHT_SLACK))
+        return chosen, candidates[chosen]
 
     def submit(self, instance: str, origin: str, request_id: str, payload: bytes, prompt_tokens: int = 0) -> None:
         """Queue a request for ``instance``; its results go to ``results:{origin}``."""

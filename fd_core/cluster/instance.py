@@ -17,6 +17,8 @@ import msgspec
 
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.cluster.global_scheduler import GlobalScheduler, Load, connect
+from fd_core.cluster.heartbeat import Heartbeat
+from fd_core.cluster.role import Role
 from fd_core.engine.wire import AddRequest, Failed, Stats, StepOutputs, WireOutput, params_from_wire
 
 log = logging.getLogger("fd.cluster")
@@ -46,24 +48,23 @@ class ClusterInbox:
         self.scheduler = GlobalScheduler(connect(config.address, timeout=REDIS_TIMEOUT_S), config.topic,
                                          config.instance_id, config.ttl, config.role)
         self.capacity = capacity
-        self.prefill = self.decode = None
-        self._payloads: dict[str, bytes] = {}  # a prefill instance's requests, as queued, until handed over
-        if config.role != "mixed":
-            self._disaggregate(core)
+        self.role = Role() if config.role == "mixed" else self._disaggregate(core)
         self.heartbeat_s = min(0.5, config.ttl / 4)
+        self.heartbeat = Heartbeat(GlobalScheduler(connect(config.address, timeout=REDIS_TIMEOUT_S), config.topic,
+                                                   config.instance_id, config.ttl, config.role), self.heartbeat_s)
         self.served = 0
-        self._origins: dict[str, str] = {}  # request id -> where its results go
+        self.origins: dict[str, str] = {}  # request id -> where its results go
         self._outputs: dict[str, list[WireOutput]] = {}  # by origin, not yet published
-        self._failures: dict[str, list[Failed]] = {}
-        self._finished: list[str] = []  # requests to forget in Redis
-        self._next_heartbeat = 0.0
+        self.failures: dict[str, list[Failed]] = {}  # by origin, not yet published
+        self.finished: list[str] = []  # requests to forget in Redis
+        self._retry_at = 0.0
         self._next_reap = 0.0
         self._down_since: float | None = None
         self._ready: bytes | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AddRequest)
 
-    def _disaggregate(self, core: Any) -> None:
+    def _disaggregate(self, core: Any) -> Role:
         from fd_core.cluster.disaggregation import TRANSFER_TIMEOUT_S, DecodeSide, PrefillSide
         from fd_core.errors import ConfigError
         from fd_core.plugins import get_registry
@@ -73,25 +74,24 @@ class ClusterInbox:
                               f"to host memory (Capabilities.kv_swap), which the KV-cache transfer stages through")
         transfer = get_registry().kv_transfer(self.config.cache_transfer_protocol, TRANSFER_TIMEOUT_S)
         if self.config.role == "prefill":
-            self.prefill = PrefillSide(self.scheduler, transfer, core)
-        else:
-            self.decode = DecodeSide(self.scheduler, transfer, core, self.config)
+            return PrefillSide(self.scheduler, transfer, core)
+        return DecodeSide(self.scheduler, transfer, core, self.config)
 
     @property
     def transfer_stats(self):
-        side = self.prefill or self.decode
-        return side.stats if side is not None else None
+        return self.role.stats
 
     def poll(self, core: Any) -> int:
         """Report, reap, apply aborts and pull requests into ``core`` while it has room; the
         number of requests and aborts taken."""
         import redis
 
-        if self._down_since is not None and time.monotonic() < self._next_heartbeat:
-            return 0  # Redis was away a moment ago: try again with the next heartbeat
+        self.heartbeat.update(self._load(core))
+        if self._down_since is not None and time.monotonic() < self._retry_at:
+            return 0  # Redis was away a moment ago: try again a heartbeat later
         try:
             handled = self._poll(core)
-            self._flush()
+            self.flush()
         except redis.RedisError as exc:
             self._lost(exc)
             return 0
@@ -103,44 +103,34 @@ class ClusterInbox:
 
     def _poll(self, core: Any) -> int:
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            if self._down_since is not None and self._ready is not None:  # Redis may have lost it
-                self.scheduler.announce(self._ready)
-            self.scheduler.heartbeat(self._load(core))
-            self._next_heartbeat = now + self.heartbeat_s
+        if self._down_since is not None and self._ready is not None:  # Redis may have lost it
+            self.scheduler.announce(self._ready)
+        self.heartbeat.start()
         if now >= self._next_reap:
             self.scheduler.reap(self._failure)
             self._next_reap = now + REAP_S
         handled = 0
         for key in self.scheduler.aborts():
-            request_id, index = parse_abort(key)
-            if self.decode is not None:  # it may be on its way here still
-                self.decode.abort(core, request_id, index)
-            else:
-                core.abort(request_id, index)
+            self.role.abort(core, *parse_abort(key))
             handled += 1
-        if self.prefill is not None:
-            if core.prefilled():  # left over while Redis was away (an idle engine publishes nothing)
-                self._hand_over(core)
-            self.prefill.poll(self._failures)
+        handled += self.role.poll(core, self)
         self._forget_finished(core)
-        if self.decode is not None:  # decode instances take requests only from prefill instances
-            return handled + self.decode.admit(core, self._origins, self._failures, self._finished)
-        room = self.capacity - len(core.scheduler.running) - len(core.scheduler.waiting)
+        if not self.role.takes_queue:
+            return handled
+        room = self.role.room(core, self.capacity - len(core.scheduler.running) - len(core.scheduler.waiting))
         for pulled in self.scheduler.pull(room):
             handled += 1
             try:
                 msg = self._decoder.decode(pulled.payload)
                 core.add_request(pulled.request_id, msg.token_ids, params_from_wire(msg.params), msg.cache_salt,
-                                 hand_over=self.prefill is not None)
+                                 hand_over=self.role.hand_over)
             except Exception as exc:  # noqa: BLE001 - this request only; the others go on
-                self._failures.setdefault(pulled.origin, []).append(
+                self.failures.setdefault(pulled.origin, []).append(
                     Failed(type(exc).__name__, str(exc), pulled.request_id))
-                self._finished.append(pulled.request_id)
+                self.finished.append(pulled.request_id)
                 continue
-            self._origins[pulled.request_id] = pulled.origin
-            if self.prefill is not None:
-                self._payloads[pulled.request_id] = pulled.payload
+            self.origins[pulled.request_id] = pulled.origin
+            self.role.pulled(pulled.request_id, pulled.payload)
         return handled
 
     def publish(self, core: Any, outputs: list[WireOutput]) -> None:
@@ -148,23 +138,22 @@ class ClusterInbox:
         import redis
 
         for output in outputs:
-            origin = self._origins.get(output.request_id)
+            origin = self.origins.get(output.request_id)
             if origin is not None:
                 self._outputs.setdefault(origin, []).append(output)
-        if self.prefill is not None and core.prefilled():
-            try:
-                self._hand_over(core)
-            except redis.RedisError as exc:
-                self._lost(exc)
+        try:
+            self.role.stepped(core, self)
+        except redis.RedisError as exc:
+            self._lost(exc)
         self._forget_finished(core)
         pending = sum(map(len, self._outputs.values()))
         if pending > MAX_PENDING:
             raise RuntimeError(f"{pending} outputs could not reach the global scheduler's Redis at "
                                f"{self.config.address}; giving up")
-        if self._down_since is not None and time.monotonic() < self._next_heartbeat:
+        if self._down_since is not None and time.monotonic() < self._retry_at:
             return  # retried with the next poll
         try:
-            self._flush()
+            self.flush()
         except redis.RedisError as exc:
             self._lost(exc)
 
@@ -173,20 +162,19 @@ class ClusterInbox:
         submitters, our queue goes to another instance, and we are no longer live."""
         import redis
 
-        for request_id, origin in self._origins.items():
-            self._failures.setdefault(origin, []).append(Failed(
+        for request_id, origin in self.origins.items():
+            self.failures.setdefault(origin, []).append(Failed(
                 "SchedulerUnavailableError", f"the instance {self.config.instance_id} running this request was "
                                              f"stopped; the request was ended", request_id))
-            self._finished.append(request_id)
-        self._origins = {}
+            self.finished.append(request_id)
+        self.origins = {}
+        self.heartbeat.stop()  # before leaving: a report after it would make us live again
         try:
-            self._flush()
+            self.flush()
             self.scheduler.leave()
         except redis.RedisError as exc:
             log.warning("could not leave the global scheduler cleanly: %s", exc)
-        side = self.prefill or self.decode
-        if side is not None:
-            side.transfer.close()
+        self.role.close()
 
     def announce(self, ready: bytes) -> None:
         """Publish the engine's ``Ready`` for front ends (``fd router``); retried with the
@@ -199,32 +187,28 @@ class ClusterInbox:
         except redis.RedisError as exc:
             self._lost(exc)
 
-    def _hand_over(self, core: Any) -> None:
-        # the first tokens go out before the requests are handed over, so that they reach
-        # their requesters before anything the decode instance computes
-        self._flush()
-        self.prefill.hand_over(core, self._origins, self._payloads, self._failures)
-
     def _forget_finished(self, core: Any) -> None:
-        done = [r for r in self._origins if r not in core.seqs]
+        done = [r for r in self.origins if r not in core.seqs]
         for request_id in done:
-            del self._origins[request_id]
-            self._payloads.pop(request_id, None)
-        self._finished.extend(done)
+            del self.origins[request_id]
+            self.role.forget(request_id)
+        self.finished.extend(done)
         self.served += len(done)
 
-    def _flush(self) -> None:
-        if self._outputs or self._failures:
+    def flush(self) -> None:
+        """Publish the outputs and failures kept for their submitters, and forget the finished
+        requests in Redis. Raises redis.RedisError (they are kept for the next try)."""
+        if self._outputs or self.failures:
             batches: dict[str, list[bytes]] = {}
             for origin, outputs in self._outputs.items():
                 batches.setdefault(origin, []).append(self._encoder.encode(StepOutputs(outputs, Stats())))
-            for origin, failures in self._failures.items():
+            for origin, failures in self.failures.items():
                 batches.setdefault(origin, []).extend(self._encoder.encode(f) for f in failures)
             self.scheduler.publish(batches)
-            self._outputs, self._failures = {}, {}
-        if self._finished:
-            self.scheduler.finish(self._finished)
-            self._finished = []
+            self._outputs, self.failures = {}, {}
+        if self.finished:
+            self.scheduler.finish(self.finished)
+            self.finished = []
 
     def _failure(self, request_id: str, message: str) -> bytes:
         return self._encoder.encode(Failed("SchedulerUnavailableError", message, request_id))
@@ -233,8 +217,7 @@ class ClusterInbox:
         pool = core.pool
         load = Load(running=len(core.scheduler.running), waiting=len(core.scheduler.waiting),
                     free_blocks=pool.num_free, num_blocks=pool.capacity, capacity=self.capacity, served=self.served)
-        if self.decode is not None:
-            load.kv_endpoint, load.kv_layout = self.decode.endpoint, self.decode.layout
+        self.role.report(load)
         return load
 
     def _lost(self, exc: Exception) -> None:
@@ -242,4 +225,4 @@ class ClusterInbox:
             self._down_since = time.monotonic()
             log.error("the global scheduler's Redis at %s is unreachable (%s); the requests running here go on, "
                       "their outputs wait until it answers", self.config.address, exc)
-        self._next_heartbeat = time.monotonic() + self.heartbeat_s
+        self._retry_at = time.monotonic() + self.heartbeat_s

@@ -35,6 +35,27 @@ def test_transfers_round_trip_in_every_declared_dtype(fd_backend):
     np.testing.assert_array_equal(memory.to_numpy(memory.from_numpy(ids)), ids, err_msg="int64 round trip")
 
 
+def test_bits_are_the_stored_values_where_the_memory_has_them(fd_backend):
+    """Optional (1.15): to_numpy_bits gives each element's stored bits as an unsigned integer of
+    its width, and from_numpy_bits makes the same values of them, in every declared dtype."""
+    memory = fd_backend.memory()
+    if not hasattr(memory, "to_numpy_bits"):
+        pytest.skip("the Memory has no to_numpy_bits (optional: fd-core converts on the host)")
+    x = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    for dtype in sorted(fd_backend.capabilities.dtypes):
+        tensor = memory.from_numpy(x, dtype)
+        bits = np.asarray(memory.to_numpy_bits(tensor))
+        width = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+        assert bits.dtype == np.dtype(f"u{width}") and bits.shape == x.shape, f"{dtype}: {bits.dtype} {bits.shape}"
+        if dtype == "bfloat16":
+            expected = _rounded(x, dtype).view(np.uint32) >> 16
+        else:
+            expected = x.astype(dtype).view(f"u{width}")
+        np.testing.assert_array_equal(bits, expected.astype(bits.dtype), err_msg=f"to_numpy_bits in {dtype}")
+        back = np.asarray(memory.to_numpy(memory.from_numpy_bits(bits, dtype))).astype(np.float32)
+        np.testing.assert_array_equal(back, _rounded(x, dtype), err_msg=f"from_numpy_bits in {dtype}")
+
+
 def _kv(memory, dtype: str):
     caches = memory.allocate_kv_cache(LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype)
     assert len(caches) == LAYERS and all(len(pair) == 2 for pair in caches), "one (key, value) pair per layer"

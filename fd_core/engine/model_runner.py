@@ -318,9 +318,10 @@ class ModelRunner:
 
     def export_kv(self, block_ids: list[int]) -> list[np.ndarray]:
         """``block_ids``' keys and values as host arrays, a key and a value per layer, each
-        ``[len(block_ids) * block_size, heads, row]`` in the cache's storage dtype (bfloat16 comes
-        as float32, exactly). Staged through a host cache with the Memory's ``swap_blocks``, the
-        copy preemption by swap uses."""
+        ``[len(block_ids) * block_size, heads, row]`` in the cache's storage dtype, bfloat16 as
+        its bits (uint16: NumPy has no bfloat16, and widening to float32 doubled the bytes sent).
+        Staged through a host cache with the Memory's ``swap_blocks``, the copy preemption by
+        swap uses."""
         if not block_ids:
             return []
         n = len(block_ids)
@@ -331,7 +332,8 @@ class ModelRunner:
             self._staging = self._allocate(self.memory.allocate_host_kv_cache, self._staging_blocks, self._cache_dtype)
         self.memory.swap_blocks(self.kv_caches, self._staging, self.block_size, list(zip(block_ids, range(n))))
         rows = n * self.block_size
-        return [self.memory.to_numpy(t[:rows]) for pair in self._staging for t in pair]
+        storage = cache_layout(self._cache_dtype, self.model.head_dim)[1]
+        return [_to_wire(self.memory, t[:rows], storage) for pair in self._staging for t in pair]
 
     def import_kv(self, block_ids: list[int], first: int, arrays: list[np.ndarray]) -> None:
         """Write blocks ``first, first + 1, ...`` of ``export_kv``'s ``arrays`` (from another
@@ -343,9 +345,9 @@ class ModelRunner:
             raise ValueError(f"transferred keys and values of {len(arrays) // 2} layers for a model of {layers}")
         bs, n = self.block_size, len(block_ids)
         rows = slice(first * bs, (first + n) * bs)
-        storage = cache_layout(self._cache_dtype, self.model.head_dim)[1]  # what export_kv read
-        staged = [(self.memory.from_numpy(arrays[2 * i][rows], storage),
-                   self.memory.from_numpy(arrays[2 * i + 1][rows], storage)) for i in range(layers)]
+        storage = cache_layout(self._cache_dtype, self.model.head_dim)[1]  # what export_kv sent
+        staged = [(_from_wire(self.memory, arrays[2 * i][rows], storage),
+                   _from_wire(self.memory, arrays[2 * i + 1][rows], storage)) for i in range(layers)]
         want = tuple(self.kv_caches[0][0].shape[1:])
         if tuple(staged[0][0].shape[1:]) != want or staged[0][0].shape[0] != n * bs:
             raise ValueError(f"transferred blocks of shape {tuple(staged[0][0].shape)} for {n} blocks of "
@@ -602,3 +604,26 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
         # None unless some row has one: sampling then costs nothing extra
         logit_bias=[p.bias_arrays if p.biased else _NO_BIAS for p in params] if biased else None,
     )
+
+
+def _to_wire(memory: Any, tensor: Any, storage: str) -> np.ndarray:
+    """A host copy of a KV tensor as export_kv sends it: bfloat16 as its bits."""
+    if storage != "bfloat16":
+        return memory.to_numpy(tensor)
+    bits = getattr(memory, "to_numpy_bits", None)  # optional (API 1.15)
+    if bits is not None:
+        return bits(tensor)
+    wide = memory.to_numpy(tensor)  # float32, exactly the bfloat16 values: its upper halves
+    return (np.ascontiguousarray(wide).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _from_wire(memory: Any, array: np.ndarray, storage: str) -> Any:
+    """``_to_wire``'s array on the device in the cache's ``storage`` dtype. A float32 array for a
+    bfloat16 cache (a sender before API 1.15) is cast, exactly."""
+    if storage != "bfloat16" or array.dtype != np.uint16:
+        return memory.from_numpy(array, storage)
+    bits = getattr(memory, "from_numpy_bits", None)
+    if bits is not None:
+        return bits(array, storage)
+    wide = (np.ascontiguousarray(array).astype(np.uint32) << 16).view(np.float32)
+    return memory.from_numpy(wide, storage)

@@ -76,6 +76,19 @@ class Memory(Protocol):
         in every layer; done when the call returns."""
         ...
 
+    # Since API 1.15, optional (where absent, fd-core converts through to_numpy / from_numpy):
+
+    def to_numpy_bits(self, tensor: Tensor) -> np.ndarray:
+        """A host copy of ``tensor``'s elements as stored, as unsigned integers of their width
+        (bfloat16 as uint16): nothing converted, so a bfloat16 KV cache leaves a prefill
+        instance at its own size, not widened to float32."""
+        ...
+
+    def from_numpy_bits(self, array: np.ndarray, dtype: str) -> Tensor:
+        """``to_numpy_bits``' inverse: ``array``'s unsigned integers as elements of ``dtype``
+        on the device, unconverted."""
+        ...
+
     def memory_info(self) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of the device; host RAM for the CPU."""
         ...

@@ -144,6 +144,22 @@ def _call(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
     return impl.function(*[kwargs[name] for name in impl.argnames])
 
 
+def _tcp_transfer(timeout: float):
+    from fd_core.cluster.tcp_transfer import TcpTransfer
+
+    return TcpTransfer(timeout)
+
+
+def _nixl_transfer(timeout: float):  # ConfigError naming the package where NIXL is missing
+    from fd_core.cluster.nixl_transfer import NixlTransfer
+
+    return NixlTransfer(timeout)
+
+
+# fd-core's own connectors, registered first: a package's connector cannot take their names
+BUILTIN_TRANSFERS = {"tcp": (_tcp_transfer, "fd-core"), "nixl": (_nixl_transfer, "fd-core")}
+
+
 class BackendRegistry:
     """Discovers backends once and answers which platforms and op implementations exist."""
 
@@ -152,7 +168,7 @@ class BackendRegistry:
         self.pm.add_hookspecs(hookspecs)
         self.ops = OpRegistry()
         self.records: list[BackendRecord] = []
-        self.transfers: dict[str, tuple[Any, str]] = {}  # KV-cache connectors: name -> (factory, package)
+        self.transfers: dict[str, tuple[Any, str]] = dict(BUILTIN_TRANSFERS)  # name -> (factory, package)
         self._load(list(entry_points) if entry_points is not None else self._entry_points())
 
     @staticmethod
@@ -271,20 +287,11 @@ class BackendRegistry:
         return text
 
     def kv_transfer(self, name: str, timeout: float = 30.0):
-        """A KV-cache connector (``--cache-transfer-protocol``): fd-core's ``tcp`` and ``nixl``
-        (where NIXL is installed), or one a package registered (``fd_kv_transfers``)."""
-        if name == "tcp":
-            from fd_core.cluster.tcp_transfer import TcpTransfer
-
-            return TcpTransfer(timeout)
-        if name == "nixl":  # fd-core's adapter; ConfigError naming the package where it is missing
-            from fd_core.cluster.nixl_transfer import NixlTransfer
-
-            return NixlTransfer(timeout)
+        """A KV-cache connector (``--cache-transfer-protocol``): fd-core's ``tcp`` and ``nixl``,
+        or one a package registered (``fd_kv_transfers``)."""
         if name not in self.transfers:
-            known = ", ".join(["tcp", "nixl", *sorted(self.transfers)])
             raise ConfigError(f"--cache-transfer-protocol {name}: no such KV-cache connector is installed "
-                              f"(installed: {known})")
+                              f"(installed: {', '.join(self.transfers)})")
         factory, _ = self.transfers[name]
         return factory(timeout)
 

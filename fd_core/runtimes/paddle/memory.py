@@ -68,6 +68,15 @@ class PaddleMemory:
             tensor = tensor.astype(paddle.float32)
         return tensor.numpy()
 
+    def to_numpy_bits(self, tensor: Tensor) -> np.ndarray:
+        array = tensor.numpy()  # Paddle gives bfloat16 as its uint16 bits already
+        return array.view(f"u{array.itemsize}")
+
+    def from_numpy_bits(self, array: np.ndarray, dtype: str) -> Tensor:
+        # a uint16 array is what Paddle takes for bfloat16's bits
+        stored = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+        return paddle.to_tensor(np.ascontiguousarray(array).view(stored), place=self.place)
+
     def allocate_kv_cache(
         self,
         num_layers: int,

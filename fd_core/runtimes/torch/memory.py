@@ -13,6 +13,8 @@ from fd_core.runtimes.host import host_memory
 from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.torch.ops import put_rows, take_rows, upload
 
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a plain view of any width (torch has few uint16/uint32 ops)
+
 Tensor = torch.Tensor
 
 
@@ -75,6 +77,18 @@ class TorchMemory:
         if host.dtype == torch.bfloat16:  # NumPy has no bfloat16
             host = host.to(torch.float32)
         return host.numpy()
+
+    def to_numpy_bits(self, tensor: Tensor) -> np.ndarray:
+        # a copy, reinterpreted (a view) as unsigned integers of the element's width
+        host = tensor.detach().to("cpu", copy=True).contiguous()
+        width = host.element_size()
+        return host.view(_SIGNED[width]).numpy().view(f"u{width}")
+
+    def from_numpy_bits(self, array: np.ndarray, dtype: str) -> Tensor:
+        array = np.ascontiguousarray(array)
+        signed = array.view(f"i{array.itemsize}")
+        tensor = torch.tensor(signed) if self.torch_device.type == "cpu" else upload(signed, self.torch_device)
+        return tensor.view(torch_dtype(dtype))
 
     def _zeros_cache(
         self, num_layers: int, shape: tuple[int, int, int], dtype: str, **where
