@@ -72,6 +72,9 @@ class ClusterInbox:
         if not core.capabilities.kv_swap:
             raise ConfigError(f"--role {self.config.role}: the {core.platform.name} backend cannot copy KV blocks "
                               f"to host memory (Capabilities.kv_swap), which the KV-cache transfer stages through")
+        from fd_core.runtimes.host import keep_freed_host_memory
+
+        keep_freed_host_memory()  # each request's KV blocks pass through host arrays of megabytes
         transfer = get_registry().kv_transfer(self.config.cache_transfer_protocol, TRANSFER_TIMEOUT_S)
         if self.config.role == "prefill":
             return PrefillSide(self.scheduler, transfer, core)

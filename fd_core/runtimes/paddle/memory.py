@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,37 +9,11 @@ import numpy as np
 import paddle
 
 from fd_core.quantization.kv_cache import cache_layout
-from fd_core.runtimes.host import host_memory
+from fd_core.runtimes.host import host_memory, keep_freed_host_memory
 from fd_core.runtimes.host_plan import block_rows
 from fd_core.runtimes.paddle.ops import put_rows, take_rows
 
 Tensor = paddle.Tensor
-
-
-_MALLOC_TUNED = False
-
-
-def keep_freed_host_memory() -> None:
-    """Make glibc keep large freed blocks for reuse instead of returning them to the OS.
-
-    Paddle's CPU allocator goes straight to malloc, and glibc maps blocks above its (dynamic)
-    mmap threshold freshly and unmaps them on free, so every step's large temporaries page-fault
-    back in: on a 2-core host that made decode attention about 5x slower. Process-wide,
-    idempotent, Linux/glibc only, and skipped where the user set the MALLOC_* variables.
-    """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
-        return
-    _MALLOC_TUNED = True
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's largest allowed value
-        libc.mallopt(m_trim_threshold, 1 << 30)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
 
 
 class PaddleMemory:
