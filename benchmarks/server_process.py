@@ -16,10 +16,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], log_path: str) -> subprocess.Popen:
-    """Run ``cmd`` in its own process group (so ``stop`` takes its children too), output to a log."""
+def start(cmd: list[str], log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Run ``cmd`` in its own process group (so ``stop`` takes its children too), output to a
+    log; ``env``: variables set for it on top of this process's."""
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def wait_ready(proc: subprocess.Popen, port: int, limit: float) -> bool:

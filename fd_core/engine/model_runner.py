@@ -625,5 +625,6 @@ def _from_wire(memory: Any, array: np.ndarray, storage: str) -> Any:
     bits = getattr(memory, "from_numpy_bits", None)
     if bits is not None:
         return bits(array, storage)
-    wide = (np.ascontiguousarray(array).astype(np.uint32) << 16).view(np.float32)
-    return memory.from_numpy(wide, storage)
+    from fd_core.loader.safetensors_io import bf16_to_float32
+
+    return memory.from_numpy(bf16_to_float32(array), storage)

@@ -83,10 +83,8 @@ class Cluster:
         else:
             cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(self.model),
                    "--load-format", "dummy", "--device", "cuda", "--port", str(port), *args]
-        env = {**MULTICAST_OFF, "CUDA_VISIBLE_DEVICES": gpu}
         log = self.folder / f"{name}.log"
-        os.environ.update(env)
-        proc = start(cmd, str(log))
+        proc = start(cmd, str(log), env={**MULTICAST_OFF, "CUDA_VISIBLE_DEVICES": gpu})
         self.procs.append(proc)
         self.logs = getattr(self, "logs", []) + [(name, proc, port, log)]
         return port
@@ -113,14 +111,10 @@ def post(port: int, body: dict) -> dict:
 
 
 def metrics(port: int) -> dict[str, float]:
-    out = {}
+    from tests.servers import plain_samples
+
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("fd:kv_transfer") or line.startswith("fd:prompt_tokens_computed_total") or \
-                    line.startswith("fd:generation_tokens_total"):
-                name, value = line.rsplit(" ", 1)
-                out[name.split("{")[0]] = float(value)
-    return out
+        return plain_samples(r.read().decode())
 
 
 def run_equal(args, folder: Path, model: Path) -> None:
