@@ -34,8 +34,9 @@ def engine(model_dir, **args):
     return LLM(model=str(model_dir), max_model_len=MAX_LEN, block_size=BLOCK, **args).engine.core
 
 
-def disaggregated(prefill, decode, prompts, params):
-    """Each prompt prefilled by ``prefill`` and decoded by ``decode``; the tokens, by request."""
+def disaggregated(prefill, decode, prompts, params, on_device=False):
+    """Each prompt prefilled by ``prefill`` and decoded by ``decode``; the tokens, by request.
+    ``on_device``: the blocks move as the Memory's tensors (a device connector's path)."""
     tokens = {}
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"r{i}", prompt, params, hand_over=True)
@@ -45,8 +46,8 @@ def disaggregated(prefill, decode, prompts, params):
             tokens.setdefault(out.request_id, []).append(out.token_id)
             assert out.finish_reason is None  # no request ends on the prefill side here
         for seq in prefill.prefilled():
-            kv = prefill.export_kv(seq)
-            prefill.release(seq)
+            kv = prefill.export_kv(seq, on_device)
+            prefill.release(seq)  # its blocks may be reused at once: the export is a copy
             decode.add_request(seq.request_id, seq.prompt_token_ids, seq.params,
                                prefilled=Prefilled(seq.output_token_ids[0], seq.seed, kv, seq.num_cached_tokens))
             handed += 1
@@ -130,6 +131,50 @@ def test_a_bfloat16_cache_travels_as_its_bits(model_dir):
     heads, head_dim = prefill.model_config.num_key_value_heads, prefill.model_config.head_dim
     assert all(a.dtype == np.uint16 and a.shape == (blocks * BLOCK, heads, head_dim) for a in arrays)
     assert disaggregated(prefill, engine(model_dir, **args), prompts, GREEDY) == reference
+
+
+@pytest.mark.parametrize("runtime,args", [("paddle", {}), ("torch", {"dtype": "bfloat16"}),
+                                          ("torch", {"kv_cache_dtype": "int8"})])
+def test_blocks_exported_as_device_tensors_decode_as_on_one_engine(model_dir, runtime, args):
+    """A device connector's path (API 1.16): the blocks leave as a copy in the Memory's own
+    tensors and go into the decode engine's cache as they are, no host array on the way."""
+    prompts = shared_prefix_prompts(6)
+    reference = alone(engine(model_dir, runtime=runtime, **args), prompts, GREEDY)
+    prefill = engine(model_dir, runtime=runtime, async_scheduling=False, **args)
+    prefill.add_request("probe", prompts[0], GREEDY, hand_over=True)
+    while not prefill.prefilled():
+        prefill.step()
+    (seq,) = prefill.prefilled()
+    (tensors,) = prefill.export_kv(seq, on_device=True)
+    host = prefill.export_kv(seq)[0]
+    prefill.release(seq)
+    memory = prefill.executor.runner.memory
+    assert len(tensors) == 2 * prefill.model_config.num_hidden_layers
+    assert not any(isinstance(t, np.ndarray) for t in tensors)
+    storage = [memory.to_numpy_bits(t) if hasattr(memory, "to_numpy_bits") else memory.to_numpy(t) for t in tensors]
+    assert [a.tobytes() for a in storage] == [b.tobytes() for b in host]  # the blocks, as the host path sends them
+    assert disaggregated(prefill, engine(model_dir, runtime=runtime, **args), prompts, GREEDY, on_device=True) == reference
+
+
+def test_a_device_connector_is_checked_at_start_up():
+    from types import SimpleNamespace
+
+    from fd_core.cluster.disaggregation import check_transfer
+
+    def core(platform="cpu", ranks=1, kv_swap=True):
+        return SimpleNamespace(platform=SimpleNamespace(name=platform), tp=SimpleNamespace(world_size=ranks),
+                               capabilities=SimpleNamespace(kv_swap=kv_swap))
+
+    ipc = SimpleNamespace(name="cuda_ipc", device="cuda")
+    check_transfer(ipc, core("cuda"), "prefill")
+    check_transfer(ipc, core("cuda", kv_swap=False), "decode")  # nothing is staged on the host
+    with pytest.raises(ConfigError, match="--role decode: --cache-transfer-protocol cuda_ipc moves cuda device memory; "
+                                          "this instance runs on cpu"):
+        check_transfer(ipc, core("cpu"), "decode")
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 use a host connector"):
+        check_transfer(ipc, core("cuda", ranks=2), "prefill")
+    with pytest.raises(ConfigError, match=r"cannot copy KV blocks to host memory \(Capabilities.kv_swap\)"):
+        check_transfer(SimpleNamespace(name="tcp"), core(kv_swap=False), "prefill")
 
 
 def test_requests_that_end_on_their_first_token_or_have_n_outputs_stay(model_dir):
@@ -398,5 +443,5 @@ def test_an_unknown_connector_is_named():
     from fd_core.plugins import get_registry
 
     with pytest.raises(ConfigError, match="--cache-transfer-protocol rdma: no such KV-cache connector is installed "
-                                          r"\(installed: tcp, nixl\)"):
+                                          r"\(installed: tcp, nixl[,)]"):  # then what packages add
         get_registry().kv_transfer("rdma")

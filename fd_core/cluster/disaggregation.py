@@ -86,6 +86,23 @@ def configure_engine(config: Any, scheduler: SchedulerConfig) -> Any:
     return config
 
 
+def check_transfer(transfer: Any, core: Any, role: str) -> None:
+    """ConfigError at start-up where ``core`` cannot hand ``transfer`` what it moves."""
+    device = getattr(transfer, "device", "")
+    if not device:
+        if not core.capabilities.kv_swap:
+            raise ConfigError(f"--role {role}: the {core.platform.name} backend cannot copy KV blocks to host "
+                              f"memory (Capabilities.kv_swap), which the {transfer.name} KV-cache transfer stages "
+                              f"through")
+        return
+    if device != core.platform.name:
+        raise ConfigError(f"--role {role}: --cache-transfer-protocol {transfer.name} moves {device} device memory; "
+                          f"this instance runs on {core.platform.name}")
+    if core.tp.world_size > 1:
+        raise ConfigError(f"--role {role}: --cache-transfer-protocol {transfer.name} moves one rank's device memory; "
+                          f"with --tensor-parallel-size {core.tp.world_size} use a host connector (tcp, nixl)")
+
+
 def kv_layout(core: Any) -> str:
     """What a decode instance's KV cache must match to take a prefill instance's blocks."""
     m, c = core.model_config, core.config
@@ -102,6 +119,7 @@ class PrefillSide(Role):
         self.scheduler = scheduler
         self.transfer = transfer
         self.layout = kv_layout(core)
+        self.on_device = bool(getattr(transfer, "device", ""))  # the connector moves device tensors
         self.stats = TransferStats()
         # each request as its submitter queued it, until handed over: kept here rather than read
         # back from Redis's request hash, one round trip less per hand-over
@@ -176,7 +194,7 @@ class PrefillSide(Role):
                 del origins[request_id], self._payloads[request_id]
                 continue
             began = time.perf_counter()
-            per_rank = core.export_kv(seq)
+            per_rank = core.export_kv(seq, self.on_device)
             self.stats.staging_seconds += time.perf_counter() - began
             header.ranks = len(per_rank)
             core.release(seq)

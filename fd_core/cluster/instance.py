@@ -65,17 +65,17 @@ class ClusterInbox:
         self._decoder = msgspec.msgpack.Decoder(AddRequest)
 
     def _disaggregate(self, core: Any) -> Role:
-        from fd_core.cluster.disaggregation import TRANSFER_TIMEOUT_S, DecodeSide, PrefillSide
-        from fd_core.errors import ConfigError
+        from fd_core.cluster.disaggregation import TRANSFER_TIMEOUT_S, DecodeSide, PrefillSide, check_transfer
         from fd_core.plugins import get_registry
-
-        if not core.capabilities.kv_swap:
-            raise ConfigError(f"--role {self.config.role}: the {core.platform.name} backend cannot copy KV blocks "
-                              f"to host memory (Capabilities.kv_swap), which the KV-cache transfer stages through")
         from fd_core.runtimes.host import keep_freed_host_memory
 
-        keep_freed_host_memory()  # each request's KV blocks pass through host arrays of megabytes
         transfer = get_registry().kv_transfer(self.config.cache_transfer_protocol, TRANSFER_TIMEOUT_S)
+        try:
+            check_transfer(transfer, core, self.config.role)
+        except Exception:
+            transfer.close()
+            raise
+        keep_freed_host_memory()  # each request's KV blocks pass through host arrays of megabytes
         if self.config.role == "prefill":
             return PrefillSide(self.scheduler, transfer, core)
         return DecodeSide(self.scheduler, transfer, core, self.config)

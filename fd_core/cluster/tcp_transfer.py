@@ -149,9 +149,12 @@ class TcpTransfer:
             sock.connect(endpoint)
             poller.register(sock, zmq.POLLIN)
             peers[endpoint] = sock
-        nbytes = sum(len(f.buffer) for f in frames[5:])
-        pending[(endpoint, request_id)] = (time.perf_counter(), nbytes)
+        pending[(endpoint, request_id)] = (time.perf_counter(), self._payload_bytes(request_id, frames[5:]))
         sock.send_multipart([b"kv", *frames[2:5], *self._outgoing(request_id, frames[5:])], copy=False)
+
+    def _payload_bytes(self, request_id: str, arrays: list[zmq.Frame]) -> int:
+        """The bytes a send moves (its transfer statistics)."""
+        return sum(len(f.buffer) for f in arrays)
 
     def _outgoing(self, request_id: str, arrays: list[zmq.Frame]) -> list:
         """What carries a send's arrays after its layout: here, the arrays themselves."""

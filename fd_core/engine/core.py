@@ -466,11 +466,11 @@ class EngineCore:
         scheduling and holding their blocks, to be ``release``d once sent on."""
         return list(self._prefilled)
 
-    def export_kv(self, seq: Sequence) -> list:
-        """The keys and values of ``seq``'s prompt as host arrays, per rank: what a decode
-        instance's ``Prefilled.kv`` takes."""
+    def export_kv(self, seq: Sequence, on_device: bool = False) -> list:
+        """The keys and values of ``seq``'s prompt as host arrays (``on_device``: the Memory's
+        device tensors), per rank: what a decode instance's ``Prefilled.kv`` takes."""
         blocks = -(-len(seq.prompt_token_ids) // self.config.block_size)
-        return self.executor.export_kv(seq.block_table[:blocks])
+        return self.executor.export_kv(seq.block_table[:blocks], on_device)
 
     def release(self, seq: Sequence) -> None:
         """Forget a handed-over sequence, freeing its blocks (full ones stay in the prefix

@@ -237,8 +237,13 @@ class Executor:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._everywhere("swap_in", pairs)
 
-    def export_kv(self, block_ids: list[int]) -> list[list[np.ndarray]]:
-        """The keys and values of ``block_ids`` as host arrays, by rank (ModelRunner.export_kv)."""
+    def export_kv(self, block_ids: list[int], on_device: bool = False) -> list[list[Any]]:
+        """The keys and values of ``block_ids`` as host arrays (or device tensors), by rank
+        (ModelRunner.export_kv). Device tensors do not cross to ranks of other processes."""
+        if on_device:
+            if self.runner is None:
+                raise BackendError("a device KV transfer needs the engine's ranks in its own process")
+            return [self.runner.export_kv(block_ids, on_device=True)]
         return self._all_ranks("export_kv", block_ids)
 
     def import_kv(self, block_ids: list[int], first: int, per_rank: list[list[np.ndarray]]) -> None:

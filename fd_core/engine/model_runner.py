@@ -316,15 +316,20 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.memory.copy_blocks(self._all_caches, self.block_size, pairs)
 
-    def export_kv(self, block_ids: list[int]) -> list[np.ndarray]:
+    def export_kv(self, block_ids: list[int], on_device: bool = False) -> list[Any]:
         """``block_ids``' keys and values as host arrays, a key and a value per layer, each
         ``[len(block_ids) * block_size, heads, row]`` in the cache's storage dtype, bfloat16 as
         its bits (uint16: NumPy has no bfloat16, and widening to float32 doubled the bytes sent).
         Staged through a host cache with the Memory's ``swap_blocks``, the copy preemption by
-        swap uses."""
+        swap uses. ``on_device``: the same as the Memory's tensors, a copy on the device (for a
+        connector that moves device memory), which the caller may keep after the blocks are freed."""
         if not block_ids:
             return []
         n = len(block_ids)
+        if on_device:
+            copy = self._allocate(self.memory.allocate_kv_cache, n, self._cache_dtype)
+            self.memory.swap_blocks(self.kv_caches, copy, self.block_size, list(zip(block_ids, range(n))))
+            return [t for pair in copy for t in pair]
         if n > self._staging_blocks:
             # kept for the next requests: page-locked host memory is slow to allocate (an H100 host
             # took about as long to pin a request's 37 MiB as to copy them)
@@ -617,9 +622,12 @@ def _to_wire(memory: Any, tensor: Any, storage: str) -> np.ndarray:
     return (np.ascontiguousarray(wide).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _from_wire(memory: Any, array: np.ndarray, storage: str) -> Any:
+def _from_wire(memory: Any, array: Any, storage: str) -> Any:
     """``_to_wire``'s array on the device in the cache's ``storage`` dtype. A float32 array for a
-    bfloat16 cache (a sender before API 1.15) is cast, exactly."""
+    bfloat16 cache (a sender before API 1.15) is cast, exactly. A device connector's tensor
+    (already the Memory's, on this device) is taken as it is."""
+    if not isinstance(array, np.ndarray):
+        return array
     if storage != "bfloat16" or array.dtype != np.uint16:
         return memory.from_numpy(array, storage)
     bits = getattr(memory, "from_numpy_bits", None)

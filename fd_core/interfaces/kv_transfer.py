@@ -12,6 +12,13 @@ the one an instance uses; both ends of a transfer must use the same.
 
 Neither end blocks its engine: ``send`` queues, ``completed`` and ``received`` return what
 finished since the last call.
+
+A connector that moves device memory instead (API 1.16) says so with ``device``, the platform
+name whose Memory tensors it takes (e.g. ``"cuda"``): the engine then hands it a device copy of
+the blocks (the Memory's tensors, same shapes and dtypes, no host staging), and the decode
+side's ``received`` gives tensors of that Memory, on the receiving engine's device, or host
+arrays as above where it had to stage them. An instance whose platform is another, or that
+runs tensor-parallel ranks in other processes, stops at start-up.
 """
 
 from __future__ import annotations
@@ -54,6 +61,9 @@ class Received:
 @runtime_checkable
 class KVTransfer(Protocol):
     name: str
+    # optional (1.16): the platform whose device tensors the connector moves; absent or "" for
+    # host arrays
+    # device: str
 
     def listen(self, host: str, port: int = 0) -> str:
         """Start receiving on ``host`` (``port`` 0: any free one); returns the endpoint that

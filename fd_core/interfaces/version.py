@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.15.0"
+API_VERSION = "1.16.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -42,6 +42,8 @@ API_VERSION = "1.15.0"
 #      connectors for prefill/decode disaggregation (--cache-transfer-protocol)
 # 1.15: Memory.to_numpy_bits / from_numpy_bits (optional): tensors as their stored bits, so a
 #      bfloat16 KV cache travels between prefill and decode instances at its own size
+# 1.16: device KV-cache connectors (optional KVTransfer.device, the platform whose tensors
+#      they move): the engine hands them a device copy of a request's blocks, no host staging
 
 
 def _parse(version: str) -> tuple[int, int, int]:

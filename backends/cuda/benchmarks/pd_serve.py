@@ -2,8 +2,8 @@
 random weights (``--load-format dummy``, the same weights in every process), a real
 ``redis-server``, ``fd router``.
 
-    python backends/cuda/benchmarks/pd_serve.py equal --redis BIN [--protocol tcp|nixl]
-    python backends/cuda/benchmarks/pd_serve.py bench --redis BIN [--concurrency 16 64 128]
+    python backends/cuda/benchmarks/pd_serve.py equal --redis BIN [--protocol tcp|nixl|cuda_ipc]
+    python backends/cuda/benchmarks/pd_serve.py bench --redis BIN [--protocol P] [--concurrency 16 64 128]
     python backends/cuda/benchmarks/pd_serve.py link
     python backends/cuda/benchmarks/pd_serve.py stage [--dtype float32]
 
@@ -43,6 +43,12 @@ from server_process import free_port, start, stop, wait_ready  # benchmarks/' he
 PROMPT, OUTPUT, TPOT_LIMIT_MS = 2000, 400, 50.0
 # NVLink multicast stays off in every process (the device's KINDS.md)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpus(protocol: str) -> tuple[str, str]:
+    """CUDA_VISIBLE_DEVICES of the prefill and the decode instance: each runs on its first; a
+    device connector (cuda_ipc) needs the other's GPU visible too."""
+    return ("0,1", "1,0") if protocol == "cuda_ipc" else ("0", "1")
 
 
 def model_folder(folder: Path) -> Path:
@@ -122,8 +128,9 @@ def run_equal(args, folder: Path, model: Path) -> None:
     common = ["--dtype", "float32", "--max-model-len", "4096", "--gpu-memory-utilization", "0.3"]
     try:
         plain = cluster.serve("plain", "0", *common)
-        cluster.serve("prefill", "0", *common, *cluster.cluster_args("prefill", args.protocol))
-        decode = cluster.serve("decode", "1", *common, *cluster.cluster_args("decode", args.protocol))
+        p_gpus, d_gpus = gpus(args.protocol)
+        cluster.serve("prefill", p_gpus, *common, *cluster.cluster_args("prefill", args.protocol))
+        decode = cluster.serve("decode", d_gpus, *common, *cluster.cluster_args("decode", args.protocol))
         cluster.wait()
         router = cluster.serve("router", "", router=True)
         cluster.wait()
@@ -179,8 +186,9 @@ def run_bench(args, folder: Path, model: Path) -> None:
         try:
             began = time.perf_counter()
             if setup == "pd":
-                prefill = cluster.serve("prefill", "0", *common, *cluster.cluster_args("prefill", args.protocol))
-                cluster.serve("decode", "1", *common, *cluster.cluster_args("decode", args.protocol))
+                p_gpus, d_gpus = gpus(args.protocol)
+                prefill = cluster.serve("prefill", p_gpus, *common, *cluster.cluster_args("prefill", args.protocol))
+                cluster.serve("decode", d_gpus, *common, *cluster.cluster_args("decode", args.protocol))
             else:
                 prefill = cluster.serve("mixed0", "0", *common, *cluster.cluster_args("mixed"))
                 cluster.serve("mixed1", "1", *common, *cluster.cluster_args("mixed"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.13"  # graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
+FD_API_VERSION = "1.16"  # the cuda_ipc device KV connector (1.16, hook of 1.14); graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
 
 
 @hookimpl
@@ -12,6 +12,16 @@ def fd_platforms():
     from fd_backend_cuda.platform import CudaPlatform
 
     return [CudaPlatform()]
+
+
+@hookimpl
+def fd_kv_transfers():
+    def cuda_ipc(timeout: float):
+        from fd_backend_cuda.kv_ipc import CudaIpcTransfer  # torch only when chosen
+
+        return CudaIpcTransfer(timeout)
+
+    return {"cuda_ipc": cuda_ipc}
 
 
 @hookimpl
