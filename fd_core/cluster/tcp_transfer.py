@@ -109,7 +109,7 @@ class TcpTransfer:
                 for key, (start, nbytes) in list(pending.items()):
                     if now - start > self.timeout:
                         del pending[key]
-                        self._release(key[1])
+                        self._abandon(key[1])
                         self._done.put(TransferDone(key[1], nbytes, now - start,
                                                     f"no answer from {key[0]} within {self.timeout:g} s"))
                         # what is still queued for a peer that does not answer goes with it
@@ -167,7 +167,11 @@ class TcpTransfer:
         return [np.frombuffer(f.buffer, dtype=np.dtype(dtype)).reshape(shape) for f, (dtype, shape) in zip(frames, layout)]
 
     def _release(self, request_id: str) -> None:
-        """A send ended (acknowledged or given up): what it held may go."""
+        """A send was acknowledged (done or refused): what it held may go."""
+
+    def _abandon(self, request_id: str) -> None:
+        """A send was given up unanswered: its peer may still read what it held."""
+        self._release(request_id)
 
     def _acknowledged(self, sock: zmq.Socket, endpoint: str, pending: dict) -> None:
         reply = sock.recv_multipart()

@@ -121,6 +121,11 @@ class CudaIpcTransfer(TcpTransfer):
             if entry is not None:
                 self._free.append(entry[0])
 
+    def _abandon(self, request_id: str) -> None:
+        # a receiver that did not answer may still copy from the buffer: it takes no other request
+        with self._lock:
+            self._lent.pop(request_id, None)
+
     def _incoming(self, layout: list, frames: list[zmq.Frame]) -> list:
         torch = self._torch
         if len(frames) != 1:
