@@ -4,6 +4,12 @@ transformers' ``generate()`` on the same shape at batch 1 and 32.
 
     python backends/cuda/benchmarks/moe_serve.py fd [--quantization wint4] [--concurrency 1 8 32 64]
     python backends/cuda/benchmarks/moe_serve.py hf [--batches 1 32]
+    python backends/cuda/benchmarks/moe_serve.py fd --tensor-parallel-size 2 [--enable-expert-parallel]
+    python backends/cuda/benchmarks/moe_serve.py fd --shape 300b --layers 8 --quantization wint4 --tensor-parallel-size 2
+
+``--shape 300b``: ERNIE-4.5-300B-A47B's (``--layers`` keeps its three dense layers first; the
+TPOT bound is then 50 ms, the seeds' condition). ``--tensor-parallel-size`` runs one process per
+GPU over NCCL with NVLink multicast off (the device machine's KINDS.md).
 
 ``fd``: for each concurrency C, ``max(2 C, 8)`` requests of 1,100 prompt tokens and 128 output
 tokens (greedy, EOS ignored) after two warm-up requests; prints output tokens/s and TPOT / TTFT
@@ -30,21 +36,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
-from tests.checkpoints import ERNIE_45_21B_A3B
+from tests.checkpoints import ERNIE_45_21B_A3B, ERNIE_45_300B_A47B
 
-PROMPT, OUTPUT, TPOT_LIMIT_MS = 1100, 128, 25.0
+PROMPT, OUTPUT = 1100, 128
+SHAPES = {"21b": (ERNIE_45_21B_A3B, 25.0), "300b": (ERNIE_45_300B_A47B, 50.0)}  # shape, TPOT p50 bound (ms)
+# NVLink multicast stays off in every process (the device machine's KINDS.md)
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def model_folder(folder: Path) -> Path:
+def model_folder(folder: Path, shape: str = "21b", layers: int | None = None) -> Path:
     """config.json and a tokenizer naming every id: all ``--load-format dummy`` needs."""
     from e2e import whole_vocabulary_tokenizer
     from transformers import Ernie4_5_MoeConfig
 
     from tests import checkpoints
 
-    path = checkpoints.make_config_only(folder, Ernie4_5_MoeConfig, "ernie45_21b", **ERNIE_45_21B_A3B,
+    settings = dict(SHAPES[shape][0])
+    if layers is not None:
+        settings["num_hidden_layers"] = layers
+        if "moe_layer_end_index" in settings:
+            settings["moe_layer_end_index"] = layers - 1
+    path = checkpoints.make_config_only(folder, Ernie4_5_MoeConfig, f"ernie45_{shape}", **settings,
                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    whole_vocabulary_tokenizer(path, ERNIE_45_21B_A3B["vocab_size"])
+    whole_vocabulary_tokenizer(path, settings["vocab_size"])
     return path
 
 
@@ -55,13 +69,20 @@ def run_fd(args, folder: Path) -> None:
            "--max-model-len", str(PROMPT + OUTPUT + 64), "--port", str(port)]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.enable_expert_parallel:
+        cmd += ["--enable-expert-parallel"]
+    limit = SHAPES[args.shape][1]
     log = folder / "server.log"
     began = time.perf_counter()
-    server = start(cmd, str(log))
+    server = start(cmd, str(log), env=MULTICAST_OFF)
     try:
         if not wait_ready(server, port, limit=600):
             raise SystemExit(f"fd serve did not come up; its log ends:\n{log.read_text()[-3000:]}")
-        print(f"server ready in {time.perf_counter() - began:.0f} s ({args.quantization or 'bfloat16'})", flush=True)
+        print(f"server ready in {time.perf_counter() - began:.0f} s ({args.shape}, {args.layers or 'all'} layers, "
+              f"{args.quantization or 'bfloat16'}, TP {args.tensor_parallel_size}, EP "
+              f"{'on' if args.enable_expert_parallel else 'off'})", flush=True)
         rows = []
         for c in args.concurrency:
             out = Path(tempfile.mkstemp(suffix=".json")[1])
@@ -73,7 +94,7 @@ def run_fd(args, folder: Path) -> None:
             rows.append((c, r))
             print(f"concurrency {c}: {r['completed']} done, {r['failed']} failed, "
                   f"{r['output_tokens_per_s']:.0f} output tokens/s, TPOT p50 {_ms(r, 'tpot', 'p50'):.1f} ms", flush=True)
-        ok = [(c, r) for c, r in rows if _ms(r, "tpot", "p50") <= TPOT_LIMIT_MS]
+        ok = [(c, r) for c, r in rows if _ms(r, "tpot", "p50") <= limit]
         print("| clients | output tokens/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms |")
         print("|---|---|---|---|")
         for c, r in rows:
@@ -81,10 +102,10 @@ def run_fd(args, folder: Path) -> None:
                   f"| {_ms(r, 'ttft', 'p50'):.0f} / {_ms(r, 'ttft', 'p99'):.0f} |")
         if ok:
             c, r = max(ok, key=lambda item: item[1]["output_tokens_per_s"])
-            print(f"best under TPOT p50 <= {TPOT_LIMIT_MS} ms: {r['output_tokens_per_s']:.0f} output tokens/s "
+            print(f"best under TPOT p50 <= {limit} ms: {r['output_tokens_per_s']:.0f} output tokens/s "
                   f"at {c} clients")
         else:
-            print(f"no concurrency kept TPOT p50 <= {TPOT_LIMIT_MS} ms")
+            print(f"no concurrency kept TPOT p50 <= {limit} ms")
     finally:
         stop(server)
 
@@ -125,8 +146,13 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="21b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape's")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
     args = parser.parse_args()
-    folder = model_folder(Path(tempfile.mkdtemp(prefix="ernie21b-")))
+    os.environ.update(MULTICAST_OFF)
+    folder = model_folder(Path(tempfile.mkdtemp(prefix=f"ernie{args.shape}-")), args.shape, args.layers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     (run_fd if args.side == "fd" else run_hf)(args, folder)
 

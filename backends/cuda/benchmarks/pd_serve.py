@@ -38,11 +38,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from moe_serve import MULTICAST_OFF  # noqa: E402 - NVLink multicast stays off in every process (KINDS.md)
 from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
 
 PROMPT, OUTPUT, TPOT_LIMIT_MS = 2000, 400, 50.0
-# NVLink multicast stays off in every process (the device's KINDS.md)
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def gpus(protocol: str) -> tuple[str, str]:
