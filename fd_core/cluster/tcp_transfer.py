@@ -190,7 +190,7 @@ class TcpTransfer:
             arrays = self._incoming(msgspec.msgpack.decode(frames[4].bytes), frames[5:])
             self._arrived.put(Received(request_id, frames[3].bytes, arrays, sum(a.nbytes for a in arrays)))
         except (ValueError, TypeError, RuntimeError, msgspec.DecodeError) as exc:
-            error = f"malformed KV transfer: {exc}"
+            error = f"the KV transfer was refused: {exc}"  # malformed, or the receiver could not take it
             log.error("dropped a KV transfer for %s: %s", request_id, error)
         router.send_multipart([identity, b"ack", request_id.encode(), error.encode()])
 

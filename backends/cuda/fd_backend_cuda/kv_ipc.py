@@ -3,7 +3,8 @@ cuda_ipc``, API 1.16's device connectors). A request's blocks never touch host m
 prefill instance copies them into a device buffer of its own, which it shares once through CUDA
 IPC; the decode instance's connector opens that buffer once, copies the request's bytes into
 tensors on its own GPU (a peer copy over NVLink or PCIe) and acknowledges, and the buffer takes
-the next request. On an H100 pair the host-staged path (``tcp``) moved 2.4 GiB/s and a peer copy
+the next request. A decode instance without the GPU memory for a request refuses it, and the
+sender tries another. On an H100 pair the host-staged path (``tcp``) moved 2.4 GiB/s and a peer copy
 275 GiB/s (docs/PERFORMANCE.md).
 
 The control messages are fd-core's ``tcp`` connector's (ZeroMQ), so both ends run on one host,
@@ -21,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from fd_core.cluster.tcp_transfer import TcpTransfer
@@ -165,8 +165,9 @@ class CudaIpcTransfer(TcpTransfer):
         try:
             flat = torch.empty(total, dtype=torch.uint8, device=self._device)
         except torch.cuda.OutOfMemoryError:
-            # the engine's cache has the GPU: these wait in host memory instead
-            return [_host(base[o : o + n].view(dt).view(shape)) for dt, shape, o, n in items]
+            # refused: the sender tries another decode instance, then ends the request saying why
+            raise RuntimeError(f"no GPU memory left on the decode instance for the request's {total} bytes "
+                               f"(its KV cache holds the GPU: lower --gpu-memory-utilization)") from None
         flat.copy_(base[:total])
         # freed after the engine's import on its own stream: not reused before that ran
         flat.record_stream(torch.cuda.default_stream(self._device))
@@ -190,13 +191,3 @@ class CudaIpcTransfer(TcpTransfer):
             self._lent.clear()
         self._opened.clear()
 
-
-def _host(tensor: Any) -> np.ndarray:
-    """A device tensor as the host path sends it (bfloat16 as its bits)."""
-    import torch
-
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).cpu().numpy().view(np.uint16)
-    if tensor.element_size() == 1 and tensor.dtype not in (torch.int8, torch.uint8):
-        return tensor.view(torch.uint8).cpu().numpy()
-    return tensor.cpu().numpy()
