@@ -39,7 +39,6 @@ def status_bytes(field: str) -> int:
 
 def child(model: str, method: str) -> None:
     from fd_core import LLM
-    from fd_core.bench.weights import weight_bytes
 
     before = status_bytes("VmRSS")
     peak_anon, done = [0], threading.Event()
@@ -57,7 +56,7 @@ def child(model: str, method: str) -> None:
     done.set()
     watcher.join()
     print(json.dumps({"method": method, "peak_rss": status_bytes("VmHWM"), "peak_anon": peak_anon[0],
-                      "rss_before": before, "seconds": seconds, "weights": weight_bytes(llm.engine.runner.model)}))
+                      "rss_before": before, "seconds": seconds, "weights": llm.engine.runner.model.weight_bytes()}))
 
 
 def make_model(folder: Path, layers: int) -> str:

@@ -139,7 +139,8 @@ def test_memory_profiling_step_and_kv_budget(model_dir, monkeypatch):
     expected = int((40 - 20 - 3) * GiB // core._kv_block_bytes())
     assert core._profiled_kv_blocks(core._kv_block_bytes()) == expected
     core.config.gpu_memory_utilization = 0.25  # 20 GiB, all in use already
-    with pytest.raises(ConfigError, match="gpu-memory-utilization"):
+    with pytest.raises(ConfigError, match=r"gpu-memory-utilization 0.25: .*20.00 GiB of the device's 80.00 GiB, "
+                       r"less 20.00 GiB in use after loading .* largest step's 3.00 GiB"):
         core._profiled_kv_blocks(core._kv_block_bytes())
 
 

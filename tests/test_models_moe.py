@@ -141,6 +141,16 @@ def test_quantized_experts_stay_quantized_and_close(model_dir):
     experts = next(layer.experts for layer in llm.engine.runner.model.layers if layer.experts is not None)
     assert all(isinstance(w, QuantizedWeight) and w.method == "wint8" and not w.layout
                for w in experts.gate_up + experts.down)
+    model = llm.engine.runner.model
+
+    def nbytes(t):
+        if isinstance(t, QuantizedWeight):
+            return sum(nbytes(part) for part in (t.qweight, t.scales, t.zeros) if part is not None)
+        return t.numel() * t.element_size()
+
+    # what the load's log line reports: every expert's packed fields counted, a tied head once
+    held = sum(nbytes(t) for _, t in model.named_parameters()) + nbytes(model.norm)
+    assert model.weight_bytes() == held + (0 if model.lm_head is model.embed else nbytes(model.lm_head))
     prompt = np.random.default_rng(0).integers(0, 500, size=11).tolist()
     tokens, ours = fd_greedy_logits(llm, prompt, 5)
     theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
@@ -187,3 +197,34 @@ def test_an_ernie_45_300b_a47b_shaped_config_gives_its_moe_layers(tmp_path):
     assert shapes["model.layers.3.mlp.experts.0.down_proj.weight"] == (8192, 3584)
     assert "model.layers.2.mlp.gate_proj.weight" in shapes and "model.layers.3.mlp.gate.weight" in shapes
     assert not any("shared_experts" in name for name in shapes)
+
+
+def test_a_rank_reads_only_its_own_experts(tmp_path, monkeypatch):
+    """With experts dealt out, a rank does not read the other ranks' experts from the checkpoint
+    (on four GPUs each rank would otherwise read every expert of the 300B-A47B); without, it
+    reads every tensor once."""
+    from fd_core.engine.config import EngineConfig
+    from fd_core.engine.loading import load_runner, open_checkpoint
+    from fd_core.plugins import get_registry
+
+    model_dir = checkpoints.make_ernie45_moe(tmp_path)
+    registry = get_registry()
+    platform = registry.platform("cpu", "torch")
+    for expert_parallel in (False, True):
+        config = EngineConfig(model=str(model_dir), device="cpu", runtime="torch", dtype="float32", max_model_len=128,
+                              block_size=4,
+                              num_kv_blocks=64, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+        config.validate()
+        checkpoint = open_checkpoint(config)
+        read = []
+        for name, reader in list(checkpoint._readers.items()):
+            checkpoint._readers[name] = lambda name=name, reader=reader: (read.append(name), reader())[1]
+        runner = load_runner(config, platform, registry, rank=1, world_size=2, checkpoint=checkpoint)
+        experts = [n for n in read if ".experts." in n]
+        if expert_parallel:  # rank 1 of 2 holds experts 4-7 of 8, in each of the two sparse layers
+            assert sorted({int(n.split(".experts.")[1].split(".")[0]) for n in experts}) == [4, 5, 6, 7]
+            assert len(experts) == 2 * 4 * 3
+            assert runner.model.layers[1].experts.first == 4
+        else:
+            assert len(experts) == 2 * 8 * 3
+        assert sorted(read) == sorted(set(read)) and len(read) == checkpoint.num_tensors - (24 if expert_parallel else 0)

@@ -353,7 +353,7 @@ class EngineCore:
         smallest over the ranks."""
         c = self.config
         utilization = c.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        blocks = []
+        blocks, tightest = [], None
         # the most rows a step samples: one per sequence, and one per draft it verifies
         rows = c.max_num_seqs
         if c.speculative_config is not None:
@@ -363,13 +363,19 @@ class EngineCore:
         ):
             budget = total * utilization - (total - free) - peak
             blocks.append(int(budget // per_block))
+            if tightest is None or budget < tightest[0]:
+                tightest = (budget, total, total - free, peak)
             log.info("KV cache: %.2f GiB of %.2f GiB at --gpu-memory-utilization %.2f (in use %.2f GiB, "
                      "step peak %.2f GiB)", max(budget, 0) / GiB, total / GiB, utilization,
                      (total - free) / GiB, peak / GiB)
         if min(blocks) < 2:
+            _, total, used, peak = tightest
             raise ConfigError(
-                f"--gpu-memory-utilization {utilization}: no device memory is left for the KV cache after "
-                f"the model and its largest step; raise it, or lower --max-num-batched-tokens / --max-num-seqs"
+                f"--gpu-memory-utilization {utilization}: no device memory is left for the KV cache: "
+                f"{utilization * total / GiB:.2f} GiB of the device's {total / GiB:.2f} GiB, less {used / GiB:.2f} GiB "
+                f"in use after loading (the model, and whatever other processes or engines hold) and the "
+                f"largest step's {peak / GiB:.2f} GiB; raise it, free the device, or lower "
+                f"--max-num-batched-tokens / --max-num-seqs"
             )
         return min(blocks)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from fd_core.engine.config import EngineConfig
+from fd_core.engine.config import EngineConfig, GiB
 from fd_core.engine.model_runner import ModelRunner
 from fd_core.engine.speculative.config import FLAG as SPECULATIVE_FLAG
 from fd_core.errors import ConfigError
@@ -70,9 +70,13 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
         quantize = LoadQuantization(config.quantization, config.quantization_group_size)
     with phase("loading weights") as step:
         model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
-        count = checkpoint.num_tensors
-        model.load_weights(progress(checkpoint.weights(), count, "loading weights", "tensor"), quantize)
-        step.detail = f"{count} tensors" + (f", rank {rank} of {world_size}" if world_size > 1 else "")
+        skip = model.other_ranks_weights()
+        count = sum(name not in skip for name in checkpoint.weight_names())
+        model.load_weights(progress(checkpoint.weights(skip=skip), count, "loading weights", "tensor"), quantize)
+        size = model.weight_bytes()
+        size_text = f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / (1 << 20):.1f} MiB"
+        step.detail = (f"{count} tensors, {size_text} on the device"
+                       + (f" (rank {rank} of {world_size})" if world_size > 1 else ""))
     if quantize is not None:
         quantize.report()
     source = proposer_source or open_proposer(config, checkpoint)

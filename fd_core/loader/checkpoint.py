@@ -7,7 +7,7 @@ a forward pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,9 +82,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no weight named {name}.") from None
         return as_float(read())
 
-    def weights(self, dequantize: bool = False) -> Iterator[tuple[str, HostWeight]]:
+    def weights(self, dequantize: bool = False, skip: Container[str] = ()) -> Iterator[tuple[str, HostWeight]]:
+        """Every weight, read one at a time as the caller takes it; those named in ``skip`` are
+        not read at all."""
         # the engine shows the progress (fd_core.phases.progress)
         for name in self._readers:
+            if name in skip:
+                continue
             weight = self._readers[name]()
             yield name, as_float(weight) if dequantize else weight
 

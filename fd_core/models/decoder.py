@@ -185,6 +185,16 @@ class DecoderForCausalLM:
 
     # -- weights ---------------------------------------------------------------------------
 
+    def other_ranks_weights(self) -> set[str]:
+        """Checkpoint names this rank does not hold: with experts dealt out, the other ranks'
+        routed experts. The loader does not read them (each rank would otherwise read the whole
+        checkpoint: four times the 300B-A47B's experts on four GPUs)."""
+        if self.moe is None or not (self.tp.expert_parallel and self.tp.enabled):
+            return set()
+        every = self.traits.weight_shapes(self.config, None)
+        mine = self.traits.weight_shapes(self.config, self.tp.local_experts(self.moe.num_experts))
+        return set(every) - set(mine)
+
     def load_weights(self, weights: Iterable[tuple[str, HostWeight]],
                      quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> None:
         """Consume ``(hf_name, [out, in] weight)`` pairs, check them, fuse and upload them.
@@ -194,7 +204,7 @@ class DecoderForCausalLM:
         LM head and the norms stay in the model's dtype. A quantized weight (``QuantizedWeight``)
         stays quantized where the op table has a ``linear`` for its method (the backend declares
         it) and is dequantized here otherwise, with one log line per method."""
-        # with experts dealt out, other ranks' experts are skipped as the checkpoint streams by
+        # with experts dealt out, other ranks' experts are not expected (other_ranks_weights)
         mine = None if self.moe is None else self.tp.local_experts(self.moe.num_experts)
         host = collect_weights(weights, self.traits.weight_shapes(self.config, mine), quantize)
         self._dequantized.clear()
@@ -408,6 +418,25 @@ class DecoderForCausalLM:
         if not self.tp.enabled:
             return logits
         return self.tp.gather(logits)[:, : self.config.vocab_size]  # drop the vocabulary padding
+
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor this rank holds on its device (a tied LM head counted once; a
+        quantized weight as its packed fields, whatever the backend's layout; each expert of a sparse layer)."""
+        seen: set[int] = set()
+
+        def size(t: Any) -> int:
+            if t is None or isinstance(t, int) or id(t) in seen:
+                return 0
+            seen.add(id(t))
+            if isinstance(t, (QuantizedWeight, Experts, Layer)):
+                return sum(size(value) for value in vars(t).values())
+            if isinstance(t, list):
+                return sum(size(item) for item in t)
+            if not hasattr(t, "element_size"):
+                return 0
+            return int(t.numel()) * int(t.element_size())
+
+        return size(self.embed) + size(self.lm_head) + size(self.norm) + sum(size(layer) for layer in self.layers)
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         yield "embed", self.embed

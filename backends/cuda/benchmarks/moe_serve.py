@@ -83,6 +83,9 @@ def run_fd(args, folder: Path) -> None:
         print(f"server ready in {time.perf_counter() - began:.0f} s ({args.shape}, {args.layers or 'all'} layers, "
               f"{args.quantization or 'bfloat16'}, TP {args.tensor_parallel_size}, EP "
               f"{'on' if args.enable_expert_parallel else 'off'})", flush=True)
+        for line in log.read_text().splitlines():  # weights and KV cache per GPU (rank 0's weights)
+            if "loading weights: done" in line or "KV cache:" in line:
+                print("  " + line.strip(), flush=True)
         rows = []
         for c in args.concurrency:
             out = Path(tempfile.mkstemp(suffix=".json")[1])

@@ -73,7 +73,6 @@ def build(folder: Path, layers: int) -> Path:
 
 def run(model: Path, method: str, args) -> dict:
     from fd_core import LLM, SamplingParams
-    from fd_core.bench.weights import weight_bytes
     from fd_core.interfaces import QuantizedWeight
 
     rng = np.random.default_rng(0)
@@ -84,7 +83,7 @@ def run(model: Path, method: str, args) -> dict:
     out: dict = {"load_s": time.perf_counter() - t0}
     engine = llm.engine
     runner = engine.runner
-    out["weight_bytes"] = weight_bytes(runner.model)
+    out["weight_bytes"] = runner.model.weight_bytes()
     down = runner.model.layers[0].down
     out["layout"] = down.layout if isinstance(down, QuantizedWeight) else "dense"
     vocab = SHAPE["vocab_size"]

@@ -3,11 +3,10 @@ random Qwen3-MoE and ERNIE 4.5 MoE checkpoints give the CPU's greedy tokens in f
 ERNIE-4.5-21B-A3B-shaped random model at reduced depth gives transformers' greedy tokens in
 float32, plain and with every decoder linear in wint4, and its bfloat16 logits are no further
 from transformers' float32 ones than transformers' own bfloat16 forward's (times 1.5, as
-``test_ernie.py``); two GPUs give one GPU's tokens."""
+``test_ernie.py``); two and four GPUs give one GPU's tokens."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
 import numpy as np
@@ -36,13 +35,15 @@ def test_greedy_tokens_equal_the_cpu(tmp_path, make, eager):
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == want
 
 
-@contextlib.contextmanager
-def _loaded(model, **kw):
-    """An LLM on the GPU, shut down and its memory returned on leaving (the next one, or
-    transformers, gets the GPU)."""
+def _on_gpu(model, use, **kw):
+    """``use(llm)`` with an LLM on the GPU; afterwards the engine is shut down and its memory goes
+    back to the device, so the next engine (or transformers, or a worker process of a
+    tensor-parallel one, which counts this process's cached blocks as in use) gets the GPU. No
+    caller holds the LLM: a name bound by ``with ... as llm`` would keep it alive past the
+    clean-up."""
     llm = LLM(model=str(model), device="cuda", max_num_seqs=8, **kw)
     try:
-        yield llm
+        return use(llm)
     finally:
         llm.engine.core.shutdown()
         del llm
@@ -51,32 +52,50 @@ def _loaded(model, **kw):
 
 
 def _greedy(model, prompts: list[list[int]], steps: int = 32, **kw) -> list[list[int]]:
-    with _loaded(model, **kw) as llm:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    outs = _on_gpu(model, lambda llm: llm.generate(prompts, params, use_tqdm=False), **kw)
     return [o.outputs[0].token_ids for o in outs]
 
 
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs two CUDA devices")
+def _gpus(count: int):
+    return pytest.mark.skipif(torch.cuda.device_count() < count, reason=f"needs {count} CUDA devices")
 
 
-@two_gpus
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-sliced", "expert-parallel"])
-def test_two_gpus_give_the_greedy_output_of_one(tmp_path, expert_parallel):
-    """NCCL, CUDA graphs on, float32: the ERNIE-4.5-21B-A3B shape at two layers (one sparse: 64
-    experts, top-6, two shared experts) and the tiny ERNIE MoE, on two GPUs with each expert
-    sliced or the experts dealt out (32 a GPU), give one GPU's greedy tokens."""
+PARALLEL = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.3}
+
+
+@pytest.fixture(scope="module")
+def parallel_models(tmp_path_factory):
+    """``{name: (folder, prompts, one GPU's greedy tokens)}`` for the tiny ERNIE MoE and the
+    ERNIE-4.5-21B-A3B shape at two layers (one sparse: 64 experts, top-6, two shared experts),
+    float32, computed once for every world size."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
 
+    tmp = tmp_path_factory.mktemp("parallel")
     shape = dict(checkpoints.ERNIE_45_21B_A3B, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    large = checkpoints.make_large_random(tmp_path, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, "ernie45_21b", **shape)
-    tiny = checkpoints.make_ernie45_moe(tmp_path)
+    large = checkpoints.make_large_random(tmp, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, "ernie45_21b", **shape)
+    tiny = checkpoints.make_ernie45_moe(tmp)
     rng = np.random.default_rng(3)
-    for model, vocab in ((tiny, 500), (large, shape["vocab_size"])):
+    models = {}
+    for name, model, vocab in (("tiny", tiny, 500), ("21b", large, shape["vocab_size"])):
         prompts = [rng.integers(3, vocab, size=int(rng.integers(8, 120))).tolist() for _ in range(8)]
-        common = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.3}
-        assert (_greedy(model, prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **common)
-                == _greedy(model, prompts, **common))
+        models[name] = (model, prompts, _greedy(model, prompts, **PARALLEL))
+    return models
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-sliced", "expert-parallel"])
+def test_several_gpus_give_the_greedy_output_of_one(parallel_models, world, expert_parallel):
+    """NCCL, CUDA graphs on, float32: the models of ``parallel_models`` on ``world`` GPUs, each
+    expert sliced or the experts dealt out (64 / world a GPU), give one GPU's greedy tokens.
+    The tiny model's two key-value heads do not split four ways: four GPUs run the 21B shape."""
+    for name, (model, prompts, want) in parallel_models.items():
+        if world == 4 and name == "tiny":
+            continue
+        got = _greedy(model, prompts, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **PARALLEL)
+        assert got == want, f"{name} on {world} GPUs"
 
 
 # --- ERNIE-4.5-21B-A3B's shape at reduced depth against transformers ----------------------------
@@ -119,14 +138,16 @@ def ernie_21b(tmp_path_factory):
 def _fd_logits(model, prompts, **kw):
     from fd_core.engine.model_runner import prefill_batch, prepare_inputs
 
-    with _loaded(model, max_model_len=512, **kw) as llm:
+    def logits(llm):
         runner = llm.engine.core.executor.runner
         out = []
         for prompt in prompts:
             inputs, _ = prepare_inputs(prefill_batch([prompt], runner.block_size), runner.block_size)
             inputs.logit_rows = np.arange(len(prompt), dtype=np.int64)
             out.append(runner.run(inputs).float())
-    return out
+        return out
+
+    return _on_gpu(model, logits, max_model_len=512, **kw)
 
 
 def _hf(path, dtype):
@@ -208,10 +229,13 @@ def test_ernie_300b_shape_loads_in_wint4_and_generates(tmp_path):
     shape = dict(checkpoints.ERNIE_45_300B_A47B, num_hidden_layers=4, moe_layer_end_index=3, bos_token_id=1,
                  eos_token_id=2, pad_token_id=0)
     folder = checkpoints.make_config_only(tmp_path, Ernie4_5_MoeConfig, "ernie45_300b", **shape)
-    with _loaded(folder, load_format="dummy", quantization="wint4", dtype="bfloat16", max_model_len=256,
-                 gpu_memory_utilization=0.5) as llm:
+
+    def check(llm):
         experts = llm.engine.core.executor.runner.model.layers[3].experts
         assert experts.gate_up.qweight.shape[0] == 64 and experts.gate_up.layout == "cuda_w4"
-        outs = llm.generate([[5, 6, 7, 8], list(range(3, 90))],
+        return llm.generate([[5, 6, 7, 8], list(range(3, 90))],
                             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+
+    outs = _on_gpu(folder, check, load_format="dummy", quantization="wint4", dtype="bfloat16", max_model_len=256,
+                   gpu_memory_utilization=0.5)
     assert [len(o.outputs[0].token_ids) for o in outs] == [16, 16]
