@@ -5,7 +5,7 @@ call ``configure``; a child is handed its parent's level (``effective_level``) t
 arguments, so ``--log-level`` reaches every process. The default is ``$FD_LOG_LEVEL``, else
 ``info``. A line reads::
 
-    2026-11-24 14:30:36,244 INFO [engine] fd.startup: loading weights: done in 6.12 s (272 tensors)
+    2026-11-24 14:30:36,244 INFO [engine] fd.startup: loading weights: done in 6.12 s (272 tensors, 513.1 MiB on the device)
 
 fd's loggers (``fd``, ``fd_server``, and uvicorn's, which ``fd serve`` runs) log at the chosen
 level; other libraries' loggers at warning and above. The handler sits on the root logger, so

@@ -81,7 +81,7 @@ def test_disable_log_requests_and_one_rank_speaks_for_tensor_parallel(tiny_model
     text = serve_once(tiny_model, tmp_path / "tp.log", "--tensor-parallel-size", "2", "--disable-log-requests")
     assert "received request" not in text and "finished request" not in text, text
     assert find(done("engine", "starting 2 tensor-parallel ranks"), text), text
-    assert find(done("rank0", "loading weights") + r" \(21 tensors, rank 0 of 2\)", text), text
+    assert find(done("rank0", "loading weights") + r" \(21 tensors, \d+\.\d MiB on the device \(rank 0 of 2\)\)", text), text
     assert "[rank1]" not in text, text  # warnings and errors only
     assert find(LINE % ("engine", r"fd\.startup", "engine ready in"), text), text
 
