@@ -141,20 +141,33 @@ def test_quantized_experts_stay_quantized_and_close(model_dir):
     experts = next(layer.experts for layer in llm.engine.runner.model.layers if layer.experts is not None)
     assert all(isinstance(w, QuantizedWeight) and w.method == "wint8" and not w.layout
                for w in experts.gate_up + experts.down)
-    model = llm.engine.runner.model
-
-    def nbytes(t):
-        if isinstance(t, QuantizedWeight):
-            return sum(nbytes(part) for part in (t.qweight, t.scales, t.zeros) if part is not None)
-        return t.numel() * t.element_size()
-
-    # what the load's log line reports: every expert's packed fields counted, a tied head once
-    held = sum(nbytes(t) for _, t in model.named_parameters()) + nbytes(model.norm)
-    assert model.weight_bytes() == held + (0 if model.lm_head is model.embed else nbytes(model.lm_head))
     prompt = np.random.default_rng(0).integers(0, 500, size=11).tolist()
     tokens, ours = fd_greedy_logits(llm, prompt, 5)
     theirs = hf_logits(model_dir, prompt + tokens[:-1])[len(prompt) - 1 :]
     assert max(relative_error(ours[i], theirs[i]) for i in range(5)) <= 0.05
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_weight_bytes_are_the_checkpoints_and_quantized_experts_are_smaller(model_dir, runtime):
+    """What the load's log line reports: in float32 every tensor of the checkpoint once (fused
+    q/k/v and gate/up, stacked experts and a tied LM head change no count), with wint8 every
+    linear, the routed experts' too, at a byte a value plus its scales."""
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(model_dir / "model.safetensors"))
+    want = sum(a.size for a in stored.values()) * 4
+    plain = LLM(model=str(model_dir), device="cpu", runtime=runtime, dtype="float32", block_size=4,
+                num_kv_blocks=64, max_model_len=128)
+    assert plain.engine.runner.model.weight_bytes() == want
+    if runtime == "torch":  # wint8 on the torch runtime, as test_quantized_experts_stay_quantized_and_close
+        quantized = LLM(model=str(model_dir), device="cpu", runtime="torch", quantization="wint8", block_size=4,
+                        num_kv_blocks=64, max_model_len=128)
+        # each linear ([out, in]) as int8 levels and a scale per output row (float32 at most; a
+        # packed layout may keep it narrower)
+        levels = sum(a.size for n, a in stored.items() if n.endswith("_proj.weight"))
+        rows = sum(a.shape[0] for n, a in stored.items() if n.endswith("_proj.weight"))
+        rest = sum(4 * a.size for n, a in stored.items() if not n.endswith("_proj.weight"))
+        assert levels + rest < quantized.engine.runner.model.weight_bytes() <= levels + 4 * rows + rest
 
 
 def test_an_ernie_45_21b_a3b_shaped_checkpoint_loads_and_generates(tmp_path):

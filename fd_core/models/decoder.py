@@ -420,23 +420,19 @@ class DecoderForCausalLM:
         return self.tp.gather(logits)[:, : self.config.vocab_size]  # drop the vocabulary padding
 
     def weight_bytes(self) -> int:
-        """Bytes of every tensor this rank holds on its device (a tied LM head counted once; a
-        quantized weight as its packed fields, whatever the backend's layout; each expert of a sparse layer)."""
+        """Bytes of every tensor this rank holds on its device: ``named_parameters``, the final
+        norm and an untied LM head; a quantized weight as its fields, whatever the backend's
+        layout."""
         seen: set[int] = set()
-
-        def size(t: Any) -> int:
-            if t is None or isinstance(t, int) or id(t) in seen:
-                return 0
-            seen.add(id(t))
-            if isinstance(t, (QuantizedWeight, Experts, Layer)):
-                return sum(size(value) for value in vars(t).values())
-            if isinstance(t, list):
-                return sum(size(item) for item in t)
-            if not hasattr(t, "element_size"):
-                return 0
-            return int(t.numel()) * int(t.element_size())
-
-        return size(self.embed) + size(self.lm_head) + size(self.norm) + sum(size(layer) for layer in self.layers)
+        total = 0
+        tensors = [t for _, t in self.named_parameters()] + [self.norm, self.lm_head]
+        for t in tensors:
+            parts = vars(t).values() if isinstance(t, QuantizedWeight) else [t]
+            for part in parts:
+                if hasattr(part, "element_size") and id(part) not in seen:  # a tied head once
+                    seen.add(id(part))
+                    total += int(part.numel()) * int(part.element_size())
+        return total
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         yield "embed", self.embed

@@ -154,7 +154,6 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
     args = parser.parse_args()
-    os.environ.update(MULTICAST_OFF)
     folder = model_folder(Path(tempfile.mkdtemp(prefix=f"ernie{args.shape}-")), args.shape, args.layers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     (run_fd if args.side == "fd" else run_hf)(args, folder)
