@@ -241,3 +241,39 @@ def test_a_rank_reads_only_its_own_experts(tmp_path, monkeypatch):
         else:
             assert len(experts) == 2 * 8 * 3
         assert sorted(read) == sorted(set(read)) and len(read) == checkpoint.num_tensors - (24 if expert_parallel else 0)
+
+
+def test_a_layer_goes_to_the_device_as_soon_as_its_last_tensor_is_read(tmp_path, monkeypatch):
+    """The host holds about one layer while loading, not the model: each decoder layer is
+    uploaded right after the last of its tensors is read (a rank of the 300B-A47B with experts
+    sliced was killed for memory when the whole checkpoint was collected first)."""
+    from fd_core.engine.config import EngineConfig
+    from fd_core.engine.loading import load_runner, open_checkpoint
+    from fd_core.models.decoder import DecoderForCausalLM
+    from fd_core.plugins import get_registry
+
+    model_dir = checkpoints.make_ernie45_moe(tmp_path)
+    config = EngineConfig(model=str(model_dir), device="cpu", runtime="torch", dtype="float32", max_model_len=128,
+                          block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
+    config.validate()
+    checkpoint = open_checkpoint(config)
+    events: list[tuple[str, str]] = []
+    for name, reader in list(checkpoint._readers.items()):
+        checkpoint._readers[name] = lambda name=name, reader=reader: (events.append(("read", name)), reader())[1]
+    upload_layer = DecoderForCausalLM.upload_layer
+
+    def logged(self, prefix, host, sparse=False):
+        events.append(("upload", prefix))
+        return upload_layer(self, prefix, host, sparse)
+
+    monkeypatch.setattr(DecoderForCausalLM, "upload_layer", logged)
+    registry = get_registry()
+    runner = load_runner(config, registry.platform("cpu", "torch"), registry, rank=1, world_size=2,
+                         checkpoint=checkpoint)
+    layers = runner.model.config.num_hidden_layers
+    uploads = [name for kind, name in events if kind == "upload"]
+    assert sorted(uploads) == sorted(f"model.layers.{i}." for i in range(layers))  # each once
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        last_read = max(k for k, (kind, name) in enumerate(events) if kind == "read" and name.startswith(prefix))
+        assert events[last_read + 1] == ("upload", prefix), events[last_read - 2:last_read + 3]

@@ -10,6 +10,7 @@ embeddings are properties of the checkpoint.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -124,13 +125,14 @@ class Layer:
     k_norm: Tensor | None
 
 
-def collect_weights(weights: Iterable[tuple[str, HostWeight]], expected: dict[str, tuple[int, ...]],
-                    quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> dict[str, HostWeight]:
+def checked_weights(weights: Iterable[tuple[str, HostWeight]], expected: dict[str, tuple[int, ...]],
+                    quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None,
+                    ) -> Iterator[tuple[str, HostWeight]]:
     """The ``expected`` weights (HF name -> shape) of a stream, checked, each linear
     (``*_proj.weight``) quantized as it arrives; others are skipped (e.g. rotary_emb.inv_freq
-    buffers: derived, not loaded). A wrong shape or a missing tensor is a CheckpointError
-    naming it."""
-    host: dict[str, HostWeight] = {}
+    buffers: derived, not loaded). A wrong shape, or at the end a missing tensor, is a
+    CheckpointError naming it."""
+    seen: set[str] = set()
     for name, array in weights:
         want = expected.get(name)
         if want is None:
@@ -139,12 +141,27 @@ def collect_weights(weights: Iterable[tuple[str, HostWeight]], expected: dict[st
             raise CheckpointError(f"tensor {name} has shape {tuple(array.shape)}, expected {want}")
         if quantize is not None and name.endswith("_proj.weight"):  # the decoder's linears
             array = quantize(name, array)
-        host[name] = array
-    missing = [n for n in expected if n not in host]
+        seen.add(name)
+        yield name, array
+    missing = [n for n in expected if n not in seen]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"checkpoint lacks tensors {missing[:3]}{more}")
-    return host
+
+
+def collect_weights(weights: Iterable[tuple[str, HostWeight]], expected: dict[str, tuple[int, ...]],
+                    quantize: Callable[[str, HostWeight], QuantizedWeight] | None = None) -> dict[str, HostWeight]:
+    """``checked_weights`` as one dict (a part small enough to hold whole: the MTP layer)."""
+    return dict(checked_weights(weights, expected, quantize))
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer a weight belongs to; -1 for the embedding, the final norm, the head."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else -1
 
 
 class DecoderForCausalLM:
@@ -206,10 +223,21 @@ class DecoderForCausalLM:
         it) and is dequantized here otherwise, with one log line per method."""
         # with experts dealt out, other ranks' experts are not expected (other_ranks_weights)
         mine = None if self.moe is None else self.tp.local_experts(self.moe.num_experts)
-        host = collect_weights(weights, self.traits.weight_shapes(self.config, mine), quantize)
+        expected = self.traits.weight_shapes(self.config, mine)
+        # A layer goes to the device as soon as its last tensor arrives, so the host holds about
+        # one layer, not the model: collecting the whole checkpoint first held, on each of four
+        # ranks, every expert of the 300B-A47B before slicing it (~300 GB a rank: killed).
+        waiting = Counter(_layer_of(name) for name in expected)
         self._dequantized.clear()
         self._unfused.clear()
-        self._upload(host)
+        self.layers = [None] * self.config.num_hidden_layers  # type: ignore[list-item]
+        host: dict[str, HostWeight] = {}
+        for name, array in checked_weights(weights, expected, quantize):
+            host[name] = array
+            layer = _layer_of(name)
+            waiting[layer] -= 1
+            if waiting[layer] == 0:
+                self._upload(layer, host)
         for method, count in sorted(self._dequantized.items()):
             log.info("%d %s weight(s) dequantized to %s at load: the %s backend declares no %s linear",
                      count, method, self.dtype, self.ops.device_type, method)
@@ -217,9 +245,14 @@ class DecoderForCausalLM:
             log.info("%d %s weight(s) dequantized to %s at load: their rows do not fill whole blocks of "
                      "the fused q/k/v or gate/up matrix", count, method, self.dtype)
 
-    def _upload(self, host: dict[str, HostWeight]) -> None:
+    def _upload(self, layer: int, host: dict[str, HostWeight]) -> None:
+        """Decoder layer ``layer``'s weights (or with -1 the embedding, norm and head), taken out
+        of ``host`` to the device."""
+        if layer >= 0:
+            sparse = self.moe is not None and layer in self.moe.sparse_layers
+            self.layers[layer] = self.upload_layer(f"model.layers.{layer}.", host, sparse)
+            return
         up, tp = self.to_device, self.tp
-        c = self.config
         # The embedding and the LM head stay in the model's dtype whatever the checkpoint stores
         # (as FastDeploy and vLLM keep them): a lookup gathers rows, and the logits decide every
         # token (with bfloat16 activations for the head, SmolLM2's greedy text leaves
@@ -232,10 +265,6 @@ class DecoderForCausalLM:
         else:
             self.lm_head = up(tp.vocab_part(embed if lm is None else as_float(lm), lookup_row=False))
         self.norm = up(host.pop("model.norm.weight"), norm=True)
-        self.layers = []
-        for i in range(c.num_hidden_layers):
-            sparse = self.moe is not None and i in self.moe.sparse_layers
-            self.layers.append(self.upload_layer(f"model.layers.{i}.", host, sparse))
 
     def upload_layer(self, p: str, host: dict[str, HostWeight], sparse: bool = False) -> Layer:
         """The decoder layer whose weights are ``host``'s under prefix ``p`` (taken out of it),
