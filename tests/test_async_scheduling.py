@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("transformers")  # the checkpoint is built with transformers
 
 from fd_core import LLM, SamplingParams  # noqa: E402
-from fd_core.engine.config import EngineConfig  # noqa: E402
 from fd_core.engine.model_runner import PLACEHOLDER  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
 from fd_core.plugins import registry as registry_module  # noqa: E402
@@ -198,6 +197,18 @@ def test_forks_and_penalties_read_the_tokens_first(async_cpu, model_dir):
     compare(model_dir, SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True,
                                       presence_penalty=0.5, repetition_penalty=1.3),
             prompts(6), fed=False, num_kv_blocks=512)
+    # beside other requests: a penalised sequence that starts sampling in a step whose other
+    # rows take their tokens from the device must not read theirs (they are placeholders)
+    compare(model_dir, MIXED * 2, prompts(10), num_kv_blocks=512)
+
+
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=13, ignore_eos=True, logprobs=2),
+    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True, presence_penalty=0.5),
+    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
+]
 
 
 def test_forks_past_max_num_seqs(async_cpu, model_dir):
@@ -232,8 +243,6 @@ def test_stop_strings_and_aborts(async_cpu, model_dir):
 
 
 def test_async_scheduling_refused_where_impossible(model_dir):
-    with pytest.raises(ConfigError, match="tensor-parallel-size 1"):
-        EngineConfig(model=str(model_dir), async_scheduling=True, tensor_parallel_size=2).validate()
     with pytest.raises(ConfigError, match="no sample_async"):
         LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64, async_scheduling=True)
     llm = LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64)

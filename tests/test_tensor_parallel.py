@@ -151,3 +151,30 @@ def test_a_survivors_error_seen_before_the_dead_ranks_exit_still_names_the_dead_
         push.close(linger=0)
         workers._replies.close(linger=0)
         ctx.term()
+
+
+def test_an_embedding_older_than_1_17_is_refused_with_ranks(tmp_path):
+    """A rank maps token ids to its embedding rows through an int64 table (API 1.17): an
+    embedding op written before that stops the load naming the flag, the op and the version."""
+    from fd_core.engine.config import EngineConfig
+    from fd_core.engine.loading import load_runner
+    from fd_core.plugins import get_registry
+    from fd_core.runtimes.torch.ops import REFERENCE_OPS
+
+    model_dir = checkpoints.make_llama(tmp_path)
+    registry = get_registry(refresh=True)
+    try:
+        with registry.ops.registering("fd-backend-oldembed", api="1.16"):
+            registry.ops.register("embedding", "cpu", REFERENCE_OPS["embedding"], name="old-embedding",
+                                  priority=10, runtime="torch")
+        config = EngineConfig(model=str(model_dir), device="cpu", runtime="torch", dtype="float32",
+                              max_model_len=128, num_kv_blocks=64)
+        config.validate()
+        platform = registry.platform("cpu", "torch")
+        assert load_runner(config, platform, registry).model.vocab_rows is None  # one rank: no table
+        with pytest.raises(ConfigError, match=r"--tensor-parallel-size 2: on the .* backend its embedding op "
+                                              r"\(old-embedding, from fd-backend-oldembed\) was written for plugin "
+                                              r"API 1.16, before 1.17"):
+            load_runner(config, platform, registry, rank=0, world_size=2)
+    finally:
+        get_registry(refresh=True)

@@ -73,7 +73,7 @@ class EngineConfig:
     quantization_group_size: int | None = None  # None: the method's default (wint4: 128)
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; int8 / fp8_e4m3 (fp8) where declared
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
-    # queue step t+1 before reading step t's tokens; None: where the backend has sample_async
+    # queue step t+1 before reading step t's tokens; None: where the backend has sample_async, one rank
     async_scheduling: bool | None = None
     tokenizer: str | None = None  # another folder or .gguf to take the tokenizer from (--tokenizer)
     chat_template: str | None = None  # a template file, or the template itself (--chat-template)
@@ -113,9 +113,6 @@ class EngineConfig:
             raise ConfigError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.runtime is not None and (not isinstance(self.runtime, str) or not self.runtime):
             raise ConfigError(f"runtime must be a runtime name such as 'paddle' or 'torch', got {self.runtime!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ConfigError("--async-scheduling works with --tensor-parallel-size 1 only (the other ranks "
-                              "would need the sampled tokens on their devices)")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format {self.load_format}: accepted values are {', '.join(LOAD_FORMATS)}")
         if self.quantization is not None:

@@ -294,7 +294,11 @@ class EngineCore:
         self._unavailable: dict[str, str] | None = None  # unavailable(), once asked
         self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
         self._prefilled: list[Sequence] = []  # hand_over sequences past their first token
-        self.async_scheduling = self.executor.can_launch if config.async_scheduling is None else config.async_scheduling
+        if config.async_scheduling is None:
+            # with ranks it is asked for (--async-scheduling) until measured on GPUs to pay
+            self.async_scheduling = config.tensor_parallel_size == 1 and self.executor.can_launch
+        else:
+            self.async_scheduling = config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
                               f"for this model (fd doctor lists its ops)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import itertools
 import logging
 import os
 import pickle
@@ -51,7 +52,7 @@ from fd_core.engine.model_runner import (
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
-from fd_core.interfaces import DeferredBitmask, SamplingBatch
+from fd_core.interfaces import DeferredBitmask, SampleOutput, SamplingBatch
 from fd_core.logs import configure, effective_level, parse_level, rank_level
 
 log = logging.getLogger("fd.engine")
@@ -188,6 +189,24 @@ class Workers:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class RankSample:
+    """A step launched on worker ranks (``Executor.launch``), seen from the engine: each rank
+    keeps its own sample on its device under ``step`` (the next step's ids are fed from it
+    there); ``result`` reads rank 0's tokens."""
+
+    def __init__(self, executor: Executor, step: int) -> None:
+        self.executor, self.step = executor, step
+        self._output: SampleOutput | None = None
+
+    def feed(self, ids: Any, dest: Any, src: Any) -> Any:
+        raise BackendError("a step launched on worker ranks feeds its tokens on the ranks, not in the engine")
+
+    def result(self) -> SampleOutput:
+        if self._output is None:
+            self._output = self.executor._everywhere("collect", self.step)
+        return self._output
+
+
 class Executor:
     """The engine's handle on the model across ranks: a local runner, or worker processes."""
 
@@ -198,6 +217,8 @@ class Executor:
         self.eos_token_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
         self.runner = runner
         self.workers = workers
+        self._steps = itertools.count()  # ids of steps launched on worker ranks
+        self._can_launch: bool | None = None
 
     def _all_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's runner; their results, by rank."""
@@ -296,15 +317,17 @@ class Executor:
 
     @property
     def can_launch(self) -> bool:
-        """Whether a step can be queued without waiting for its tokens: one rank, in this
-        process, whose op table has ``sample_async``."""
-        return self.runner is not None and self.runner.ops.has("sample_async")
+        """Whether a step can be queued without waiting for its tokens: the ranks' op tables
+        have ``sample_async``."""
+        if self._can_launch is None:
+            self._can_launch = bool(self._everywhere("can_launch"))
+        return self._can_launch
 
     @property
     def can_defer(self) -> bool:
         """Whether a launched step's bitmask can be filled after its sample is queued (the op
-        table's ``deferred_bitmask``)."""
-        return self.can_launch and self.runner.ops.has("deferred_bitmask")
+        table's ``deferred_bitmask``; the mask lives in this process, so one rank here)."""
+        return self.runner is not None and self.can_launch and self.runner.ops.has("deferred_bitmask")
 
     def deferred_bitmask(self, rows: int, words: int) -> DeferredBitmask:
         return self.runner.ops.deferred_bitmask(rows, words)
@@ -323,9 +346,19 @@ class Executor:
             src = np.fromiter((previous.rows[scheduled[i].seq.seq_id] for i in owners.tolist()),
                               dtype=np.int64, count=dest.size)
             feed = Feed(previous.pending, dest, src)
-        before = None if fill is None or batch is None else (lambda b: fill(sampled, b))
-        pending, prompt = self.runner.launch(inputs, batch, feed, before)
-        return Launched(sampled, pending, {s.seq_id: row for row, s in enumerate(sampled)}, scored, prompt)
+        rows = {s.seq_id: row for row, s in enumerate(sampled)}
+        if self.runner is not None:
+            before = None if fill is None or batch is None else (lambda b: fill(sampled, b))
+            pending, prompt = self.runner.launch(inputs, batch, feed, before)
+            return Launched(sampled, pending, rows, scored, prompt)
+        # Worker ranks: the bitmask is filled before the step is sent, as execute's. The feed
+        # names the previous step; each rank takes its ids from its own sample of it.
+        if fill is not None and batch is not None:
+            fill(sampled, batch)
+        step = next(self._steps)
+        source = None if feed is None else (feed.tokens.step, feed.dest, feed.src)  # type: ignore[attr-defined]
+        sampling, prompt = self._everywhere("launch", step, inputs, batch, source)
+        return Launched(sampled, RankSample(self, step) if sampling else None, rows, scored, prompt)
 
     def close(self) -> None:
         if self.workers is not None:
@@ -349,6 +382,9 @@ def _worker(rank: int, calls: str, replies: str) -> int:
         outbox.send(pickle.dumps((rank, ok, detail), protocol=pickle.HIGHEST_PROTOCOL))
 
     runner = None
+    # this rank's samples of launched steps, by step id: the next step feeds from the last one
+    # and the engine reads rank 0's after queuing that next step (Executor.launch)
+    kept: dict[int, Any] = {}
     try:
         while True:
             message = pickle.loads(inbox.recv())
@@ -368,7 +404,13 @@ def _worker(rank: int, calls: str, replies: str) -> int:
                         args = (args[0], None, None, False)  # rank 0 samples and scores; the others only compute
                     elif method == "import_kv":
                         args = (args[0], args[1], args[2][rank])  # each rank its own heads
-                    result = getattr(runner, method)(*args)
+                    if method == "launch":
+                        result = _launch(runner, kept, rank, *args)
+                    elif method == "collect":
+                        # rank 0's tokens; the sample stays kept while the step after may feed from it
+                        result = kept[args[0]].result() if rank == 0 else None
+                    else:
+                        result = getattr(runner, method)(*args)
             except Exception as exc:  # reported to rank 0, which stops the engine
                 log.exception("tensor-parallel rank %d failed", rank)
                 answer(False, f"{type(exc).__name__}: {exc}" if isinstance(exc, FdError) else repr(exc))
@@ -378,6 +420,23 @@ def _worker(rank: int, calls: str, replies: str) -> int:
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()
+
+
+def _launch(runner: ModelRunner, kept: dict[int, Any], rank: int, step: int, inputs: StepInputs,
+            batch: SamplingBatch | None, source: tuple[int, np.ndarray, np.ndarray] | None
+            ) -> tuple[bool, SampleOutput | None]:
+    """One rank's part of ``Executor.launch``: whether the step samples, and (rank 0) the
+    prompt scores. Every rank samples, so each can feed the next step from its own device."""
+    feed = None
+    if source is not None:
+        previous, dest, src = source
+        feed = Feed(kept[previous], dest, src)
+    pending, prompt = runner.launch(inputs, batch, feed, lead=rank == 0)
+    for old in [s for s in kept if s < step - 1]:  # read by the engine: no later step feeds from them
+        del kept[old]
+    if pending is not None:
+        kept[step] = pending
+    return pending is not None, prompt
 
 
 def main(argv: list[str] | None = None) -> int:

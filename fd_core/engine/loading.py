@@ -65,6 +65,10 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
                                 pins=config.op_pins, methods=platform.capabilities().quantization)
         step.detail = f"{getattr(memory, 'device', platform.name)}, runtime {platform.runtime}"
     tp = TensorParallel(rank, world_size, comm, expert_parallel=config.enable_expert_parallel)
+    why = ops.lacks("embedding", "1.17") if tp.enabled else ""
+    if why:  # DecoderForCausalLM.embed_tokens maps token ids through an int64 table
+        raise ConfigError(f"--tensor-parallel-size {world_size}: on the {platform.name} backend {why}, which "
+                          f"added int64 tables to it (token ids to a rank's embedding rows)")
     quantize = None
     if config.quantization is not None:  # validate() filled in the method's group size
         quantize = LoadQuantization(config.quantization, config.quantization_group_size)

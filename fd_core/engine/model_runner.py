@@ -390,7 +390,7 @@ class ModelRunner:
         """The step's hidden states, and its int64 inputs on the device: input ids, positions,
         logit rows, then the prompt rows and the tokens they score, then the feed's."""
         n, rows, scored = len(inputs.input_ids), len(inputs.logit_rows), len(inputs.prompt_rows)
-        parts = [self.model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
+        parts = [inputs.input_ids, inputs.positions, inputs.logit_rows]
         if scored:
             parts += [inputs.prompt_rows, inputs.prompt_token_ids]
         if feed is not None:
@@ -449,12 +449,18 @@ class ModelRunner:
         return self._step(inputs, batch, None, before_sample, self.ops.sample, lead)
 
     def launch(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None = None,
-               before_sample: Callable[[SamplingBatch], None] | None = None
+               before_sample: Callable[[SamplingBatch], None] | None = None, lead: bool = True
                ) -> tuple[PendingSample | None, SampleOutput | None]:
         """``step`` without waiting for the tokens (the op table's ``sample_async``): the
         device may still be computing when this returns, unless the step scores prompt
-        tokens (their scores come back to the host, after the sample is queued)."""
-        return self._step(inputs, batch, feed, before_sample, self.ops.sample_async, True)
+        tokens (their scores come back to the host, after the sample is queued). Every
+        tensor-parallel rank samples (the gathered logits and the batch are the same on each,
+        so are the tokens): the next step's input ids come from its own device's sample."""
+        return self._step(inputs, batch, feed, before_sample, self.ops.sample_async, lead)
+
+    def can_launch(self) -> bool:
+        """Whether this rank's op table has ``sample_async`` (``launch``)."""
+        return self.ops.has("sample_async")
 
     def _step(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None,
               before_sample: Callable[[SamplingBatch], None] | None, sample: Callable[..., Any],
@@ -479,7 +485,7 @@ class ModelRunner:
         model, inputs, forward = self.proposer, plan.inputs, self.proposer_forward
         reads_hidden = getattr(model, "reads_target_hidden", False)
         n, rows = len(inputs.input_ids), len(inputs.logit_rows)
-        parts = [model.local_token_ids(inputs.input_ids), inputs.positions, inputs.logit_rows]
+        parts = [inputs.input_ids, inputs.positions, inputs.logit_rows]
         if reads_hidden:
             parts.append(plan.hidden_rows)
         packed = self.memory.from_numpy(np.concatenate(parts))
@@ -492,10 +498,10 @@ class ModelRunner:
         drafts = np.zeros((rows, width), dtype=np.int64)
         if not rows:
             return drafts
-        # Where the sample can stay on the device (sample_async; one rank, whose token ids are
-        # its embedding's rows), each pass takes the drafts before it there and the host reads
-        # them all at the end, instead of waiting for each pass's.
-        chain = self.ops.has("sample_async") and not model.tp.enabled
+        # Where the sample can stay on the device (sample_async), each pass takes the drafts
+        # before it there and the host reads them all at the end, instead of waiting for each
+        # pass's. Every rank draws the same greedy drafts from the gathered logits.
+        chain = self.ops.has("sample_async")
         pending: list[tuple[np.ndarray, Any]] = []
         last = self.ops.embedding(hidden, packed[2 * n : 2 * n + rows])  # each drafting sequence's last row
         active = np.arange(rows)
@@ -515,7 +521,7 @@ class ModelRunner:
             tokens = np.full(k, PLACEHOLDER, dtype=np.int64) if chain else drawn[going]
             step = ragged_inputs(tokens, plan.block_tables[active], plan.last_positions[active] + j + 1,
                                  np.ones(k, dtype=np.int64), self.block_size)
-            packed = self.memory.from_numpy(np.concatenate([model.local_token_ids(tokens), step.positions,
+            packed = self.memory.from_numpy(np.concatenate([tokens, step.positions,
                                                             np.flatnonzero(going), np.arange(k)]))
             ids = packed[:k]
             if chain:  # ids[dest] = the draws of the rows still drafting
@@ -564,7 +570,6 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
             return np.full(len(params), getattr(first, name), dtype=dtype)
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
-    penalised = first.penalised if shared else any(p.penalised for p in params)
     biased = first.biased if shared else any(p.biased for p in params)
     ahead = ahead or [()] * len(seqs)
 
@@ -600,9 +605,12 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
         repetition_penalty=col("repetition_penalty", np.float32),
         seeds=np.array([s.seed for s in seqs], dtype=np.int64),
         steps=steps,
-        prompt_token_ids=[np.asarray(s.prompt_token_ids, dtype=np.int64) if penalised else _EMPTY for s in seqs],
-        output_token_ids=[np.asarray(history(s, extra), dtype=np.int64) for s, extra in zip(seqs, ahead)]
-        if penalised else [_EMPTY] * len(seqs),
+        # only penalised rows' tokens: another row's output may end in a token still on the
+        # device (PLACEHOLDER, asynchronous scheduling), and it would scatter nothing anyway
+        prompt_token_ids=[np.asarray(s.prompt_token_ids, dtype=np.int64) if p.penalised else _EMPTY
+                          for s, p in zip(seqs, params)],
+        output_token_ids=[np.asarray(history(s, extra), dtype=np.int64) if p.penalised else _EMPTY
+                          for s, p, extra in zip(seqs, params, ahead)],
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
         allowed_token_bitmask=allowed,

@@ -140,8 +140,10 @@ class SamplingBatch:
     repetition_penalty: np.ndarray  # float32 [S]
     seeds: np.ndarray  # int64 [S]
     steps: np.ndarray  # int64 [S], the index of the token being sampled in its sequence
-    prompt_token_ids: list[np.ndarray]  # per row, for the repetition penalty
-    output_token_ids: list[np.ndarray]  # per row, for all three penalties
+    # per row, for the penalties; empty in a row without any (its output may end in a token not
+    # on the host yet, under asynchronous scheduling)
+    prompt_token_ids: list[np.ndarray]  # for the repetition penalty
+    output_token_ids: list[np.ndarray]  # for all three penalties
     suppress_token_ids: list[np.ndarray]  # per row
     num_logprobs: int = 0  # top logprobs to return per row (0: only the sampled token's)
     # int32 [S, ceil(V/32)] (API 1.10), or a DeferredBitmask for sample_async (API 1.12)
@@ -227,7 +229,8 @@ OP_SPECS: dict[str, OpSpec] = {
         _spec(
             "embedding",
             "embedding(weight: T[V, H], ids: T[N] int64) -> T[N, H]",
-            "Row lookup: out[n] = weight[ids[n]]. Also used to gather rows of any 2-D tensor.",
+            "Row lookup: out[n] = weight[ids[n]]. Also used to gather rows of any 2-D tensor, int64 "
+            "included (API 1.17: tensor parallelism maps token ids to a rank's rows through an int64 table).",
         ),
         _spec(
             "rms_norm",

@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.16.0"
+API_VERSION = "1.17.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -44,6 +44,9 @@ API_VERSION = "1.16.0"
 #      bfloat16 KV cache travels between prefill and decode instances at its own size
 # 1.16: device KV-cache connectors (optional KVTransfer.device, the platform whose tensors
 #      they move): the engine hands them a device copy of a request's blocks, no host staging
+# 1.17: embedding gathers the rows of an int64 table too (the kit checks it): with tensor
+#      parallelism the model maps token ids to a rank's embedding rows on the device, so a
+#      step's input ids can come from the previous step's sample on every rank
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -197,6 +197,7 @@ class DecoderForCausalLM:
         self.embed: Tensor = None
         self.lm_head: Tensor = None
         self.norm: Tensor = None
+        self.vocab_rows: Tensor | None = None  # int64 [V, 1]: a token id's row in this rank's embedding
         self._dequantized: Counter[str] = Counter()  # quantized weights load_weights dequantized, by method
         self._unfused: Counter[str] = Counter()  # quantized parts fused as floats, by method
 
@@ -252,7 +253,7 @@ class DecoderForCausalLM:
             sparse = self.moe is not None and layer in self.moe.sparse_layers
             self.layers[layer] = self.upload_layer(f"model.layers.{layer}.", host, sparse)
             return
-        up, tp = self.to_device, self.tp
+        up, tp, c = self.to_device, self.tp, self.config
         # The embedding and the LM head stay in the model's dtype whatever the checkpoint stores
         # (as FastDeploy and vLLM keep them): a lookup gathers rows, and the logits decide every
         # token (with bfloat16 activations for the head, SmolLM2's greedy text leaves
@@ -265,6 +266,9 @@ class DecoderForCausalLM:
         else:
             self.lm_head = up(tp.vocab_part(embed if lm is None else as_float(lm), lookup_row=False))
         self.norm = up(host.pop("model.norm.weight"), norm=True)
+        if tp.enabled:  # token id -> row of this rank's embedding slice (embed_tokens)
+            rows = tp.local_token_ids(np.arange(c.vocab_size, dtype=np.int64), c.vocab_size)
+            self.vocab_rows = self.memory.from_numpy(np.ascontiguousarray(rows[:, None]))
 
     def upload_layer(self, p: str, host: dict[str, HostWeight], sparse: bool = False) -> Layer:
         """The decoder layer whose weights are ``host``'s under prefix ``p`` (taken out of it),
@@ -379,7 +383,12 @@ class DecoderForCausalLM:
         return self.run_layers(self.embed_tokens(input_ids), self.layers, positions, kv_caches, meta)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        return self.tp.reduce(self.ops.embedding(self.embed, input_ids))  # ids from local_token_ids
+        """The embeddings of ``input_ids`` (the vocabulary's ids). A tensor-parallel rank maps
+        them to its slice's rows on the device, not the host: with asynchronous scheduling a
+        step's ids come from the previous step's sample without leaving the device."""
+        if self.vocab_rows is not None:
+            input_ids = self.ops.embedding(self.vocab_rows, input_ids)[:, 0]
+        return self.tp.reduce(self.ops.embedding(self.embed, input_ids))
 
     def run_layers(self, hidden: Tensor, layers: list[Layer], positions: Tensor,
                    kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> Tensor:
@@ -434,10 +443,6 @@ class DecoderForCausalLM:
         q, k = ops.rotary(positions, q, k, self.cos_sin, self.traits.rope_style)
         out = ops.attention(q, k, v, kv_cache, meta, self.scale)
         return self._row_parallel(out.reshape([n, self.q_size]), layer.o, layer.o_bias)
-
-    def local_token_ids(self, ids: np.ndarray) -> np.ndarray:
-        """The step's token ids as rows of this rank's embedding (the ids themselves on one rank)."""
-        return self.tp.local_token_ids(ids, self.config.vocab_size)
 
     def compute_logits(self, hidden: Tensor, row_indices: Tensor | None) -> Tensor:
         """Logits ``[len(row_indices), V]`` of the selected rows (None: every row, in order)."""

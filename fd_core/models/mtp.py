@@ -76,9 +76,6 @@ class MtpLayer:
     def compute_logits(self, hidden: Tensor, row_indices: Tensor | None) -> Tensor:
         return self.target.compute_logits(hidden, row_indices)
 
-    def local_token_ids(self, ids):
-        return self.target.local_token_ids(ids)
-
     @property
     def tp(self):
         return self.target.tp

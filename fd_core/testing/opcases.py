@@ -115,7 +115,8 @@ def _rng(case: OpCase) -> np.random.Generator:
 def _embedding(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     vocab, hidden, n = case.params["vocab"], case.params["hidden"], case.params["n"]
     rng = _rng(case)
-    weight, w = dev.put(_randn(rng, vocab, hidden))
+    table = rng.integers(-2**40, 2**40, (vocab, hidden)) if case.params.get("int64") else _randn(rng, vocab, hidden)
+    weight, w = dev.put(table)
     ids, i = dev.put(rng.integers(0, vocab, n).astype(np.int64))
     compare(case, impl, "output", dev.get(fn(weight, ids)), spec.embedding(w, i), exact=True)
 
@@ -491,6 +492,8 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
 
         for vocab, hidden, n in [(64, 32, 1), (500, 96, 37)]:
             add("embedding", f"weight[{vocab}, {hidden}] ids[{n}]", params=dict(vocab=vocab, hidden=hidden, n=n))
+        # tensor parallelism maps token ids to a rank's embedding rows through an int64 table
+        add("embedding", "int64 weight[300, 1] ids[37]", params=dict(vocab=300, hidden=1, n=37, int64=True))
         for shape in [(1, 64), (7, 576), (2, 3, 128), *LONG_RMS_NORM]:
             for residual in (False, True):
                 add("rms_norm", f"x{list(shape)}" + (" + residual" if residual else "")

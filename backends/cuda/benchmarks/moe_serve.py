@@ -73,6 +73,8 @@ def run_fd(args, folder: Path) -> None:
         cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.enable_expert_parallel:
         cmd += ["--enable-expert-parallel"]
+    if args.async_scheduling is not None:  # the server's default otherwise (one rank: on; ranks: off)
+        cmd += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     limit = SHAPES[args.shape][1]
     log = folder / "server.log"
     began = time.perf_counter()
@@ -82,7 +84,8 @@ def run_fd(args, folder: Path) -> None:
             raise SystemExit(f"fd serve did not come up; its log ends:\n{log.read_text()[-3000:]}")
         print(f"server ready in {time.perf_counter() - began:.0f} s ({args.shape}, {args.layers or 'all'} layers, "
               f"{args.quantization or 'bfloat16'}, TP {args.tensor_parallel_size}, EP "
-              f"{'on' if args.enable_expert_parallel else 'off'})", flush=True)
+              f"{'on' if args.enable_expert_parallel else 'off'}, async scheduling "
+              f"{'default' if args.async_scheduling is None else 'on' if args.async_scheduling else 'off'})", flush=True)
         for line in log.read_text().splitlines():  # weights and KV cache per GPU (rank 0's weights)
             if "loading weights: done" in line or "KV cache:" in line:
                 print("  " + line.strip(), flush=True)
@@ -153,6 +156,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the shape's")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
     folder = model_folder(Path(tempfile.mkdtemp(prefix=f"ernie{args.shape}-")), args.shape, args.layers)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -98,6 +98,24 @@ def test_several_gpus_give_the_greedy_output_of_one(parallel_models, world, expe
         assert got == want, f"{name} on {world} GPUs"
 
 
+@pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
+def test_several_gpus_with_async_scheduling_give_the_greedy_output_of_one(parallel_models, world):
+    """``--async-scheduling`` with ranks: every rank samples the gathered logits and feeds its
+    next step from its own GPU's sample, and the tokens are still one GPU's (EP on)."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+    def use(llm):
+        assert llm.engine.core.async_scheduling
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    for name, (model, prompts, want) in parallel_models.items():
+        if world == 4 and name == "tiny":
+            continue
+        got = _on_gpu(model, use, tensor_parallel_size=world, enable_expert_parallel=True, async_scheduling=True,
+                      **PARALLEL)
+        assert got == want, f"{name} on {world} GPUs"
+
+
 # --- ERNIE-4.5-21B-A3B's shape at reduced depth against transformers ----------------------------
 
 BF16_RATIO = 1.5  # as test_ernie.py: fd's bf16 error at most 1.5x transformers' own bf16 error
