@@ -18,39 +18,14 @@ from fd_core.plugins import registry as registry_module  # noqa: E402
 from fd_core.plugins.registry import BackendRegistry  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 from tests import checkpoints  # noqa: E402
-
-
-class HostFed:
-    """A PendingSample over Paddle tensors whose tokens are already on the host. Counts its
-    uses, so the tests can tell the asynchronous path ran."""
-
-    fed = 0
-
-    def __init__(self, output) -> None:
-        self.output = output
-
-    def feed(self, ids, dest, src):
-        import paddle
-
-        HostFed.fed += 1
-        out = ids.numpy().copy()
-        assert (out[dest.numpy()] == PLACEHOLDER).all()  # only placeholders are written over
-        out[dest.numpy()] = self.output.token_ids[src.numpy()]
-        return paddle.to_tensor(out, place=ids.place)
-
-    def result(self):
-        return self.output
+from tests.plugins.host_fed import HostFed, sampler  # noqa: E402
 
 
 @pytest.fixture()
 def async_cpu(monkeypatch):
     """The process registry with a ``sample_async`` for the cpu device."""
-    from fd_core.runtimes.paddle.ops import REFERENCE_OPS
-
     registry = BackendRegistry()
-    sample = REFERENCE_OPS["sample"]
-    registry.ops.register("sample_async", "cpu", lambda logits, batch: HostFed(sample(logits, batch)),
-                          name="host-fed", runtime="paddle")
+    registry.ops.register("sample_async", "cpu", sampler("paddle"), name="host-fed", runtime="paddle")
     monkeypatch.setattr(registry_module, "_registry", registry)
     HostFed.fed = 0
     return registry

@@ -27,41 +27,10 @@ from tests.plugins import fake_dists  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 HOST_FED = """
-    import os
-
     from fd_core.plugins import hookimpl
+    from tests.plugins.host_fed import sampler
 
     FD_API_VERSION = "1.17"
-    PLACEHOLDER = -1
-
-
-    class HostFed:
-        def __init__(self, output, runtime):
-            self.output, self.runtime = output, runtime
-
-        def feed(self, ids, dest, src):
-            with open(os.environ["FD_TEST_FEEDS"], "a") as log:
-                log.write(f"{os.getpid()}\\n")
-            out, where, rows = ids.numpy().copy(), dest.numpy(), src.numpy()  # CPU tensors either way
-            assert (out[where] == PLACEHOLDER).all()  # only placeholders are written over
-            out[where] = self.output.token_ids[rows]
-            if self.runtime == "paddle":
-                import paddle
-                return paddle.to_tensor(out, place=ids.place)
-            import torch
-            return torch.from_numpy(out)
-
-        def result(self):
-            return self.output
-
-
-    def sampler(runtime):
-        if runtime == "paddle":
-            from fd_core.runtimes.paddle.ops import REFERENCE_OPS
-        else:
-            from fd_core.runtimes.torch.ops import REFERENCE_OPS
-        sample = REFERENCE_OPS["sample"]
-        return lambda logits, batch: HostFed(sample(logits, batch), runtime)
 
 
     @hookimpl
@@ -72,20 +41,11 @@ HOST_FED = """
 
 RUN = """
 import json, os, sys
-import numpy as np
-from fd_core import LLM, SamplingParams
+from fd_core import LLM
+from tests.test_async_scheduling import MIXED, prompts
 
 model, settings = sys.argv[1], json.loads(sys.argv[2])
-rng = np.random.default_rng(3)
-prompts = [rng.integers(3, 400, size=int(rng.integers(3, 40))).tolist() for _ in range(10)]
-kinds = [
-    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=13, ignore_eos=True, logprobs=2),
-    SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=9, ignore_eos=True),  # forks: read first
-    SamplingParams(temperature=0.8, seed=2, max_tokens=10, ignore_eos=True, presence_penalty=0.5),
-    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2),
-]
-params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+params = MIXED * 2  # greedy, seeded with logprobs, forks, penalties, prompt logprobs
 out = {}
 for name, engine_args in settings.items():
     for async_scheduling in (False, True):
@@ -93,7 +53,7 @@ for name, engine_args in settings.items():
                   async_scheduling=async_scheduling, **engine_args)
         core = llm.engine.core
         assert core.async_scheduling == async_scheduling and core.executor.workers.world_size == 2
-        results = llm.generate(prompts, params, use_tqdm=False)
+        results = llm.generate(prompts(10), params, use_tqdm=False)
         assert core.pool.num_free == core.pool.capacity and not core.has_unfinished_requests()
         out[f"{name}/{async_scheduling}"] = {
             "steps": core.stats["steps"],

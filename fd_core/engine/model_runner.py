@@ -570,6 +570,8 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
             return np.full(len(params), getattr(first, name), dtype=dtype)
         return np.array([getattr(p, name) for p in params], dtype=dtype)
 
+    # the row by row tokens only where some row reads them (a step's hot path: most batches have none)
+    penalised = first.penalised if shared else any(p.penalised for p in params)
     biased = first.biased if shared else any(p.biased for p in params)
     ahead = ahead or [()] * len(seqs)
 
@@ -608,9 +610,9 @@ def sampling_batch(seqs: list[Sequence], eos_token_ids: np.ndarray,
         # only penalised rows' tokens: another row's output may end in a token still on the
         # device (PLACEHOLDER, asynchronous scheduling), and it would scatter nothing anyway
         prompt_token_ids=[np.asarray(s.prompt_token_ids, dtype=np.int64) if p.penalised else _EMPTY
-                          for s, p in zip(seqs, params)],
+                          for s, p in zip(seqs, params)] if penalised else [_EMPTY] * len(seqs),
         output_token_ids=[np.asarray(history(s, extra), dtype=np.int64) if p.penalised else _EMPTY
-                          for s, p, extra in zip(seqs, params, ahead)],
+                          for s, p, extra in zip(seqs, params, ahead)] if penalised else [_EMPTY] * len(seqs),
         suppress_token_ids=suppress,
         num_logprobs=max((p.logprobs or 0) for p in params),
         allowed_token_bitmask=allowed,

@@ -492,7 +492,8 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
 
         for vocab, hidden, n in [(64, 32, 1), (500, 96, 37)]:
             add("embedding", f"weight[{vocab}, {hidden}] ids[{n}]", params=dict(vocab=vocab, hidden=hidden, n=n))
-        # tensor parallelism maps token ids to a rank's embedding rows through an int64 table
+        # tensor parallelism maps token ids to a rank's embedding rows through an int64 table,
+        # with the embedding chosen for the model's dtype: a case in each
         add("embedding", "int64 weight[300, 1] ids[37]", params=dict(vocab=300, hidden=1, n=37, int64=True))
         for shape in [(1, 64), (7, 576), (2, 3, 128), *LONG_RMS_NORM]:
             for residual in (False, True):
