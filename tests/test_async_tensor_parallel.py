@@ -49,8 +49,9 @@ params = MIXED * 2  # greedy, seeded with logprobs, forks, penalties, prompt log
 out = {}
 for name, engine_args in settings.items():
     for async_scheduling in (False, True):
+        # the asynchronous engine is the default one: on with ranks where the backend can launch
         llm = LLM(model=model, device="cpu", max_model_len=128, block_size=4, tensor_parallel_size=2,
-                  async_scheduling=async_scheduling, **engine_args)
+                  async_scheduling=None if async_scheduling else False, **engine_args)
         core = llm.engine.core
         assert core.async_scheduling == async_scheduling and core.executor.workers.world_size == 2
         results = llm.generate(prompts(10), params, use_tqdm=False)

@@ -295,8 +295,7 @@ class EngineCore:
         self._scoring: set[Sequence] = set()  # sequences that owe prompt logprobs
         self._prefilled: list[Sequence] = []  # hand_over sequences past their first token
         if config.async_scheduling is None:
-            # with ranks it is asked for (--async-scheduling) until measured on GPUs to pay
-            self.async_scheduling = config.tensor_parallel_size == 1 and self.executor.can_launch
+            self.async_scheduling = self.executor.can_launch
         else:
             self.async_scheduling = config.async_scheduling
         if self.async_scheduling and not self.executor.can_launch:

@@ -210,7 +210,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly: no captured graphs (CUDA graphs on the cuda backend)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each step before the previous one's tokens reach the host (default: on "
-                        "where the backend supports it, with one tensor-parallel rank)")
+                        "where the backend supports it)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps, mixed with decodes (default: on where supported)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,

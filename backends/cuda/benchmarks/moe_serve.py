@@ -73,7 +73,7 @@ def run_fd(args, folder: Path) -> None:
         cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.enable_expert_parallel:
         cmd += ["--enable-expert-parallel"]
-    if args.async_scheduling is not None:  # the server's default otherwise (one rank: on; ranks: off)
+    if args.async_scheduling is not None:  # the server's default otherwise (on where the backend can)
         cmd += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     limit = SHAPES[args.shape][1]
     log = folder / "server.log"

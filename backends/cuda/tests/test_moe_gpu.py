@@ -88,20 +88,22 @@ def parallel_models(tmp_path_factory):
 @pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts-sliced", "expert-parallel"])
 def test_several_gpus_give_the_greedy_output_of_one(parallel_models, world, expert_parallel):
-    """NCCL, CUDA graphs on, float32: the models of ``parallel_models`` on ``world`` GPUs, each
-    expert sliced or the experts dealt out (64 / world a GPU), give one GPU's greedy tokens.
-    The tiny model's two key-value heads do not split four ways: four GPUs run the 21B shape."""
+    """NCCL, CUDA graphs on, float32, scheduled synchronously: the models of ``parallel_models``
+    on ``world`` GPUs, each expert sliced or the experts dealt out (64 / world a GPU), give one
+    GPU's greedy tokens. The tiny model's two key-value heads do not split four ways: four GPUs
+    run the 21B shape."""
     for name, (model, prompts, want) in parallel_models.items():
         if world == 4 and name == "tiny":
             continue
-        got = _greedy(model, prompts, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **PARALLEL)
+        got = _greedy(model, prompts, tensor_parallel_size=world, enable_expert_parallel=expert_parallel,
+                      async_scheduling=False, **PARALLEL)
         assert got == want, f"{name} on {world} GPUs"
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=_gpus(2)), pytest.param(4, marks=_gpus(4))])
 def test_several_gpus_with_async_scheduling_give_the_greedy_output_of_one(parallel_models, world):
-    """``--async-scheduling`` with ranks: every rank samples the gathered logits and feeds its
-    next step from its own GPU's sample, and the tokens are still one GPU's (EP on)."""
+    """Asynchronous scheduling with ranks (the default): every rank samples the gathered logits
+    and feeds its next step from its own GPU's sample, and the tokens are still one GPU's (EP on)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
     def use(llm):
@@ -111,8 +113,7 @@ def test_several_gpus_with_async_scheduling_give_the_greedy_output_of_one(parall
     for name, (model, prompts, want) in parallel_models.items():
         if world == 4 and name == "tiny":
             continue
-        got = _on_gpu(model, use, tensor_parallel_size=world, enable_expert_parallel=True, async_scheduling=True,
-                      **PARALLEL)
+        got = _on_gpu(model, use, tensor_parallel_size=world, enable_expert_parallel=True, **PARALLEL)
         assert got == want, f"{name} on {world} GPUs"
 
 

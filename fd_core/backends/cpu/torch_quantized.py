@@ -19,8 +19,6 @@ Layouts made once at load by ``pack_linear``:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
