@@ -33,7 +33,7 @@ from fd_core.interfaces import AttentionMetadata, RunnerLimits
 from fd_core.phases import phase
 from fd_core.runtimes.torch.ops import upload
 
-from fd_backend_cuda.kernels.attention import static_step_tensors
+from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, static_step_tensors
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -168,14 +168,16 @@ class GraphedForward:
         eager (prefill or mixed) step can pick gets compiled now rather than in the middle of
         serving (a Triton compile stalls every stream for a second or more): both tiles — one
         token per sequence, and chunks of 32 — at every split-K factor, which the planner
-        derives from the number of programs and the longest key range. The steps read block 0,
-        which no sequence owns, and write nothing (slot -1)."""
+        derives from the number of programs and the longest key range, and chunks over short
+        and long key ranges (``attention.SPLIT_MASK_KEYS``). The steps read block 0, which no
+        sequence owns, and write nothing (slot -1)."""
         limits = self.limits
         num_kv_heads = kv_caches[0][0].shape[1]
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         steps = 0
-        for chunk in (1, 32):
-            keys = min(limits.max_model_len, 8192 + chunk)  # enough keys for the most splits
+        # (tokens a sequence, keys): 8192 keys are enough for the most splits
+        ranges = [(1, 8192 + 1), (32, 8192 + 32), (32, SPLIT_MASK_KEYS - 1)]
+        for chunk, keys in dict.fromkeys((chunk, min(limits.max_model_len, keys)) for chunk, keys in ranges):
             seqs = 1
             while seqs * chunk <= limits.max_num_batched_tokens and seqs * num_kv_heads <= 2 * sms:
                 n = seqs * chunk

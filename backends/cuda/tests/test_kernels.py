@@ -28,6 +28,7 @@ from fd_core.quantization.kv_cache import quantized_cache, write_slots
 from fd_core.testing import spec
 
 from fd_backend_cuda import ops
+from fd_backend_cuda.kernels import attention
 from fd_backend_cuda.kernels.attention import (
     _choose_splits,
     paged_attention,
@@ -310,6 +311,38 @@ def test_attention_split_k(scenario, num_splits, dtype):
     close(out, want, tol("attention", dtype))
 
 
+def _launches(meta) -> list:
+    return [launch for plan in meta.device.values() if isinstance(plan, list) for launch in plan]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario,head_dim,num_splits", [("long", 32, None), ("mixed", 48, None), ("long", 32, 2)])
+def test_attention_unmasked_tiles_below_the_diagonal(monkeypatch, dtype, scenario, head_dim, num_splits):
+    """Every prefill launch takes the loop of unmasked key tiles below the diagonal
+    (``SPLIT_MASK_KEYS`` lowered from 2,048), with a ragged head_dim and split-K too: still the
+    specification's output."""
+    monkeypatch.setattr(attention, "SPLIT_MASK_KEYS", 1)
+    seqs = SCENARIOS[scenario] + [(100, 70)]  # a chunk whose tiles see 100+ cached keys
+    out, want, meta = run_attention(seqs, (4, 2), head_dim, 4, dtype, seed=13, num_splits=num_splits)
+    close(out, want, tol("attention", dtype))
+    assert [launch.split_mask for launch in _launches(meta)] == [False, True]  # decodes, prefills
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_unmasked_tiles_over_a_quantized_cache(monkeypatch, dtype):
+    monkeypatch.setattr(attention, "SPLIT_MASK_KEYS", 1)
+    out, want = run_quantized_cache(SCENARIOS["long"] + [(100, 70)], (4, 2), 64, 16, dtype, "int8", seed=17)
+    close(out, want, tol("attention", dtype))
+
+
+def test_only_long_prefill_launches_take_the_unmasked_loop():
+    meta = make_batch([(0, 1), (0, 2 * 64), (attention.SPLIT_MASK_KEYS - 64, 64)], 16, 200, 0)
+    small, big = plan_launches(meta, 2, 2, 64, DEVICE)
+    assert not small.split_mask and big.split_mask  # the 2,048-key chunk makes the launch's case
+    short = make_batch([(0, 1), (0, 2 * 64)], 16, 40, 0)
+    assert [launch.split_mask for launch in plan_launches(short, 2, 2, 64, DEVICE)] == [False, False]
+
+
 def test_split_k_heuristic():
     assert _choose_splits(programs=8, max_keys=8192, num_sms=132) == 32
     assert _choose_splits(programs=64, max_keys=2048, num_sms=132) == 4  # 5 wanted: a power of two
@@ -449,4 +482,5 @@ def test_supports():
     assert ops.supports("moe", torch.bfloat16)
     assert not ops.supports("moe", torch.int32)
     assert not ops.supports("linear")
-    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample", "sample_async"}
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample", "sample_async",
+                            "deferred_bitmask"}
