@@ -296,7 +296,7 @@ def test_killed_core_fails_every_request_at_once(model_dir):
         tasks = [asyncio.create_task(consume(i)) for i in range(4)]
         for e in started:
             await e.wait()
-        os.kill(client._proc.pid, signal.SIGKILL)
+        os.kill(client._core.pid, signal.SIGKILL)
         t0 = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
         elapsed = time.monotonic() - t0
@@ -314,7 +314,7 @@ def test_killed_core_fails_every_request_at_once(model_dir):
 def test_shutdown_leaves_no_process(model_dir):
     async def main():
         client = await AsyncEngineClient.start(EngineConfig(model=str(model_dir), **ENGINE_ARGS))
-        pid = client._proc.pid
+        pid = client._core.pid
         assert pid in _core_children()
         out = await collect(client, "x", [1, 2, 3], GREEDY)
         assert out.finished
@@ -323,7 +323,7 @@ def test_shutdown_leaves_no_process(model_dir):
         return pid, client
 
     pid, client = asyncio.run(main())
-    assert client._proc.exitcode == 0  # it stopped when asked, not killed
+    assert client._core.exitcode == 0  # it stopped when asked, not killed
     assert pid not in _core_children() and not _exists(pid)
 
 
@@ -336,7 +336,7 @@ def test_core_exits_when_its_parent_dies(model_dir):
 
         async def main():
             c = await AsyncEngineClient.start(EngineConfig(model={str(model_dir)!r}, num_kv_blocks=64))
-            print(c._proc.pid, flush=True)
+            print(c._core.pid, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
         if __name__ == "__main__":

@@ -16,8 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -38,7 +36,7 @@ from fd_core.engine.core import (
     check_params,
     check_prompt,
 )
-from fd_core.engine.core_process import run_core
+from fd_core.engine.core_handle import CoreHandle, CoreWatch, client_addresses
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
@@ -49,14 +47,13 @@ from fd_core.engine.wire import (
     CoreMessage,
     Failed,
     Ready,
-    Shutdown,
     Stats,
     StepOutputs,
     params_to_wire,
+    wire_id,
 )
 from fd_core.errors import BackendError, EngineDeadError, InvalidRequestError
 from fd_core.loader.tokenizer_api import Tokenizer
-from fd_core.logs import effective_level
 
 log = logging.getLogger("fd.engine")
 
@@ -75,8 +72,9 @@ class _Stream:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, scheduler: SchedulerConfig | None = None) -> None:
-        # use ``await AsyncEngineClient.start(config)``; this only sets the fields
+    def __init__(self, config: EngineConfig, scheduler: SchedulerConfig | None = None,
+                 addresses: tuple[str, str] | None = None, index: int = 0, clients: int = 1) -> None:
+        # use ``await AsyncEngineClient.start(config)`` (or ``attach``); this only sets the fields
         self.config = config
         # --scheduler-name global: requests go to this instance's queue in Redis (other
         # instances may steal them) and their outputs come back through it
@@ -92,11 +90,11 @@ class AsyncEngineClient:
         self.chunked_prefill = True
         self.unavailable: dict[str, str] = {}  # from the core's Ready
         self.eos_token_ids: frozenset[int] = frozenset()
-        self._proc = None
-        self._dir = tempfile.mkdtemp(prefix="fd-")
+        self._core: CoreHandle | CoreWatch | None = None  # a handle where this client spawned the core
+        self._index, self._clients = index, clients  # this client among the core's clients
+        self._dir = tempfile.mkdtemp(prefix="fd-") if addresses is None else None
+        self._in_address, self._out_address = addresses or client_addresses(self._dir, 0)
         self._ctx = zmq.asyncio.Context()
-        self._in_address = f"ipc://{self._dir}/input"
-        self._out_address = f"ipc://{self._dir}/output"
         # Sends are synchronous and never block (no high-water mark), so an abort can go out
         # from a generator's ``finally`` even while it is being closed or cancelled.
         self._sender = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
@@ -145,26 +143,45 @@ class AsyncEngineClient:
                                                    self.scheduler.topic, None, self.scheduler.ttl,
                                                    self.scheduler.role)
         try:
-            ctx = multiprocessing.get_context("spawn")
-            # daemon: should the caller exit without shutdown(), multiprocessing still ends it
-            self._proc = ctx.Process(
-                target=run_core, name="fd-engine-core", daemon=True,
-                args=(config, self._in_address, self._out_address, os.getpid(), effective_level(), self.scheduler),
-            )
-            self._proc.start()
-            # the tokenizer loads here while the core loads the model
-            tokenizer = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
-            try:
-                ready = await self._wait_ready(start_timeout)
-            except BaseException:
-                tokenizer.cancel()  # the core's error is the one to report
-                raise
-            self.tokenizer = await tokenizer
+            self._core = CoreHandle.spawn(config, [(self._in_address, self._out_address)], self.scheduler)
+            ready = await self._ready_with_tokenizer(start_timeout)
         except BaseException:
             # a core that reported its failure exits by itself; any other one is stopped now
-            await self._stop_process(ask=False, grace=2.0 if self._core_failed else 0.0)
+            if self._core is not None:
+                await self._core.stop(ask=False, grace=2.0 if self._core_failed else 0.0)
             self._close_sockets()
             raise
+        self._running(ready)
+        return self
+
+    @classmethod
+    async def attach(cls, config: EngineConfig, addresses: tuple[str, str], core_pid: int, index: int,
+                     clients: int, start_timeout: float = 900.0) -> "AsyncEngineClient":
+        """A client of a core another process spawned (``CoreHandle.spawn``) for ``clients``
+        clients, of which this is number ``index``, its sockets at ``addresses``. Waits until the
+        core is ready; its shutdown leaves the core to its owner."""
+        self = cls(config, None, addresses, index, clients)
+        self._core = CoreWatch(core_pid)
+        try:
+            ready = await self._ready_with_tokenizer(start_timeout)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._running(ready)
+        return self
+
+    async def _ready_with_tokenizer(self, timeout: float) -> Ready:
+        # the tokenizer loads here while the core loads the model
+        tokenizer = asyncio.create_task(asyncio.to_thread(self._load_tokenizer))
+        try:
+            ready = await self._wait_ready(timeout)
+        except BaseException:
+            tokenizer.cancel()  # the core's error is the one to report
+            raise
+        self.tokenizer = await tokenizer
+        return ready
+
+    def _running(self, ready: Ready) -> None:
         self._take_ready(ready)
         self._stats = Stats(num_free_blocks=ready.num_blocks, num_blocks=ready.num_blocks)
         self._last_report = time.monotonic()
@@ -174,7 +191,6 @@ class AsyncEngineClient:
             self._tasks.append(asyncio.create_task(self._cluster_loop(), name="fd-cluster-reader"))
         for task in self._tasks:
             task.add_done_callback(self._on_task_done)
-        return self
 
     def _take_ready(self, ready: Ready) -> None:
         """The engine's figures, and the output processor on the tokenizer loaded by now."""
@@ -204,12 +220,12 @@ class AsyncEngineClient:
                     raise errors.rebuild(msg.error_type, msg.message, BackendError)
                 continue  # nothing else comes before Ready
             now = time.monotonic()
-            if not self._proc.is_alive():
+            if not self._core.is_alive():
                 # a core that failed cleanly sent why before exiting: give it a moment to arrive
                 exited_at = exited_at or now
                 if now - exited_at > 1.0:
                     raise BackendError(
-                        f"the engine core exited with code {self._proc.exitcode} before it was ready"
+                        f"the engine core exited with code {self._core.exitcode} before it was ready"
                     )
             elif now > deadline:
                 raise BackendError(f"the engine core was not ready within {timeout:g} s")
@@ -217,7 +233,7 @@ class AsyncEngineClient:
     # -- state -----------------------------------------------------------------------------
 
     def is_healthy(self) -> bool:
-        return self._dead_reason is None and self._proc is not None and self._proc.is_alive()
+        return self._dead_reason is None and self._core is not None and self._core.is_alive()
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Raise InvalidRequestError / PromptTooLongError for a prompt the core would reject."""
@@ -255,8 +271,9 @@ class AsyncEngineClient:
             check_cache_salt(cache_salt)
         token_ids = [int(t) for t in prompt_token_ids]
         # in a cluster the id travels through Redis beside other instances' requests
-        wire_id = f"{self._origin}:{next(self._wire_ids)}" if self._cluster is not None else str(next(self._wire_ids))
-        stream = _Stream(request_id, wire_id)
+        number = next(self._wire_ids)
+        stream = _Stream(request_id, f"{self._origin}:{number}" if self._cluster is not None
+                         else wire_id(number, self._index, self._clients))
         self._streams[request_id] = stream
         self._by_wire_id[stream.wire_id] = stream
         self._processor.add_request(request_id, prompt_text, token_ids, params)
@@ -399,9 +416,9 @@ class AsyncEngineClient:
             stream.queue.put_nowait(result)
 
     async def _watch_loop(self) -> None:
-        while self._proc.is_alive():
+        while self._core.is_alive():
             await asyncio.sleep(_WATCH_S)
-        self._die(f"the engine core process exited (code {self._proc.exitcode})")
+        self._die(f"the engine core process exited (code {self._core.exitcode})")
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -423,46 +440,23 @@ class AsyncEngineClient:
     # -- shutdown --------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Stop the core process (asking first, then terminating, then killing) and fail any
-        request still in flight. Safe to call twice."""
+        """Stop the core process where this client spawned it (asking first, then terminating,
+        then killing) and fail any request still in flight. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self._die("the engine was shut down")
-        await self._stop_process(ask=True, grace=_SHUTDOWN_GRACE_S)
+        if isinstance(self._core, CoreHandle):
+            await self._core.stop(ask=True, grace=_SHUTDOWN_GRACE_S)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._close_sockets()
-
-    async def _stop_process(self, ask: bool, grace: float) -> None:
-        """Wait ``grace`` seconds for the core to exit (after asking it to, if ``ask``), then
-        terminate it, then kill it."""
-        proc = self._proc
-        if proc is None or not proc.is_alive():
-            return
-        if ask:
-            self._send(Shutdown(), quiet=True)
-        if grace:
-            if await self._wait_exit(grace):
-                return
-            log.warning("the engine core did not stop within %g s; terminating it", grace)
-        proc.terminate()
-        if not await self._wait_exit(2.0):
-            proc.kill()
-            await self._wait_exit(2.0)
-
-    async def _wait_exit(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self._proc.is_alive():  # is_alive() reaps the process once it has exited
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
 
     def _close_sockets(self) -> None:
         self._sender.close()
         self._receiver.close()
         with contextlib.suppress(zmq.ZMQError):
             self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,15 +1,18 @@
-"""The engine-core process of ``fd serve``: an EngineCore behind two ZeroMQ sockets.
+"""The engine-core process of ``fd serve``: an EngineCore behind ZeroMQ sockets.
 
 The HTTP process (``client.AsyncEngineClient``) tokenizes, detokenizes and talks HTTP; this
-process only schedules and computes, so neither one's GIL stalls the other. The client binds
-both sockets and spawns this process, which connects:
+process only schedules and computes, so neither one's GIL stalls the other. Each client binds
+two sockets and this process connects to them (``core_handle.CoreHandle`` spawns it, with a
+control socket of its own that only sends Shutdown):
 
-    client PUSH --(AddRequest | Abort | Shutdown)--> core PULL
-    client PULL <--(Ready | Failed | StepOutputs)--- core PUSH
+    client PUSH --(AddRequest | Abort | Shutdown)--> core PULL (one for every client and the control)
+    client PULL <--(Ready | Failed | StepOutputs)--- core PUSH (one a client)
 
+With several clients (HTTP processes) each request's outputs go to the client that sent it,
+named in its wire id (``wire.client_of``); Ready, a core's failure and the stats go to all.
 The messages are ``wire``'s: msgpack-encoded ``msgspec.Struct``s sent as arrays.
 Every step's outputs travel with the core's current stats; an idle core sends the stats alone
-every ``HEARTBEAT_S``, so the client's metrics stay fresh.
+every ``HEARTBEAT_S``, so the clients' metrics stay fresh.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from fd_core.engine.wire import (
     Stats,
     StepOutputs,
     WireOutput,
+    client_of,
     params_from_wire,
 )
 
@@ -51,9 +55,11 @@ CLUSTER_IDLE_POLL_S = 0.01  # how often an idle core of a cluster looks for requ
 
 # -- the process -----------------------------------------------------------------------------
 
-def run_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+def run_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str], parent_pid: int,
              log_level: int | str | None = None, scheduler: SchedulerConfig | None = None) -> None:
-    """Entry point of the spawned process. Exits non-zero if start-up or a step fails.
+    """Entry point of the spawned process, for the clients whose sockets are at
+    ``input_addresses`` and ``output_addresses`` (client ``k``'s output is the ``k``-th). Exits
+    non-zero if start-up or a step fails.
     ``log_level``: the client's (``fd_core.logs.effective_level``); None: ``$FD_LOG_LEVEL``.
     ``scheduler``: with ``--scheduler-name global``, requests come from the cluster's Redis
     (``fd_core.cluster.instance``) and their outputs go back through it; the sockets then carry
@@ -67,11 +73,9 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, 0)
-    inbox.connect(input_address)
-    outbox = ctx.socket(zmq.PUSH)
-    # Unbounded: a slow client must never block a step (and a dead one is noticed via the pid).
-    outbox.setsockopt(zmq.SNDHWM, 0)
-    outbox.connect(output_address)
+    for address in input_addresses:
+        inbox.connect(address)
+    outbox = Outboxes(ctx, output_addresses)
     encoder = msgspec.msgpack.Encoder()
     code = 0
     try:
@@ -94,7 +98,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
         except BaseException as e:  # noqa: BLE001 - every start-up failure goes to the client
             if not isinstance(e, Exception) or type(e).__module__ != "fd_core.errors":
                 traceback.print_exc()
-            outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
+            outbox.send_all(encoder.encode(Failed(type(e).__name__, str(e))))
             code = 1
             return
         ready = encoder.encode(Ready(
@@ -105,12 +109,12 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
         ))
         if cluster is not None:
             cluster.announce(ready)
-        outbox.send(ready)
+        outbox.send_all(ready)
         try:
             _serve(core, inbox, outbox, encoder, parent_pid, cluster)
         except Exception as e:  # a failed step leaves the core's state unknown: report and exit
             traceback.print_exc()
-            outbox.send(encoder.encode(Failed(type(e).__name__, str(e))))
+            outbox.send_all(encoder.encode(Failed(type(e).__name__, str(e))))
             code = 1
         finally:
             if cluster is not None:
@@ -118,7 +122,7 @@ def run_core(config: EngineConfig, input_address: str, output_address: str, pare
             core.shutdown()  # its tensor-parallel ranks, if any
     finally:
         inbox.close()
-        outbox.close(linger=1000)  # let the last message (Failed, final stats) reach the client
+        outbox.close(linger=1000)  # let the last message (Failed, final stats) reach the clients
         ctx.term()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -162,7 +166,42 @@ def _wire(o) -> WireOutput:
                       None if p is None else (p.logprobs, p.ranks, p.top))
 
 
-def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+class Outboxes:
+    """The core's PUSH socket to each client."""
+
+    def __init__(self, ctx: zmq.Context, addresses: list[str]) -> None:
+        self.sockets = []
+        for address in addresses:
+            socket = ctx.socket(zmq.PUSH)
+            # Unbounded: a slow client must never block a step (and a dead one is noticed via the pid).
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.connect(address)
+            self.sockets.append(socket)
+
+    def send_all(self, frame: bytes) -> None:
+        for socket in self.sockets:
+            socket.send(frame)
+
+    def send_to(self, request_id: str, frame: bytes) -> None:
+        self.sockets[client_of(request_id) if len(self.sockets) > 1 else 0].send(frame)
+
+    def send_outputs(self, encoder: msgspec.msgpack.Encoder, outputs: list[WireOutput], stats: Stats) -> None:
+        """A step's outputs, each to its request's client, with the stats to every client."""
+        if len(self.sockets) == 1:
+            self.sockets[0].send(encoder.encode(StepOutputs(outputs, stats)))
+            return
+        mine: list[list[WireOutput]] = [[] for _ in self.sockets]
+        for output in outputs:
+            mine[client_of(output.request_id)].append(output)
+        for socket, theirs in zip(self.sockets, mine, strict=True):
+            socket.send(encoder.encode(StepOutputs(theirs, stats)))
+
+    def close(self, linger: int) -> None:
+        for socket in self.sockets:
+            socket.close(linger=linger)
+
+
+def _serve(core, inbox: zmq.Socket, outbox: Outboxes, encoder: msgspec.msgpack.Encoder,
            parent_pid: int, cluster: ClusterInbox | None = None) -> None:
     decoder = msgspec.msgpack.Decoder(ClientMessage)
     poller = zmq.Poller()
@@ -198,7 +237,7 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
                 core.add_request(msg.request_id, msg.token_ids, params_from_wire(msg.params),
                                  msg.cache_salt)
             except Exception as e:  # this request only; the others go on
-                outbox.send(encoder.encode(Failed(type(e).__name__, str(e), msg.request_id)))
+                outbox.send_to(msg.request_id, encoder.encode(Failed(type(e).__name__, str(e), msg.request_id)))
         if cluster is not None:
             handled += cluster.poll(core)
         if core.has_unfinished_requests():
@@ -210,5 +249,5 @@ def _serve(core, inbox: zmq.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack
             outputs = []  # idle: stats only (and at once after an abort freed blocks)
         else:
             continue
-        outbox.send(encoder.encode(StepOutputs(outputs, _stats(core, cluster))))
+        outbox.send_outputs(encoder, outputs, _stats(core, cluster))
         last_sent = time.monotonic()

@@ -36,6 +36,19 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 ClientMessage = AddRequest | Abort | Shutdown
 
 
+def wire_id(number: int, client: int, clients: int) -> str:
+    """A request's id on the wire: a client's running number, prefixed with the client's
+    index where one core serves several clients (HTTP processes), so its outputs find their way
+    back (``client_of``)."""
+    return f"{client}/{number}" if clients > 1 else str(number)
+
+
+def client_of(request_id: str) -> int:
+    """The index of the client that sent a request whose wire id ``wire_id`` made for several
+    clients."""
+    return int(request_id.split("/", 1)[0])
+
+
 # -- core -> client --------------------------------------------------------------------------
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -1,0 +1,125 @@
+"""The engine-core process as its clients see it: spawned once, for one client or several.
+
+``CoreHandle.spawn`` starts ``core_process.run_core`` for the clients whose socket addresses it
+is given (each client binds its own pair, see ``client.AsyncEngineClient``) and keeps a control
+socket of its own, through which ``stop`` asks the core to exit. Whoever spawned the core owns
+its handle: ``AsyncEngineClient.start`` for a server with one HTTP process, the launcher of
+``fd serve --api-server-count N`` for several. A client in another process watches the core
+by its pid (``CoreWatch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from fd_core.cluster.config import SchedulerConfig
+from fd_core.engine.config import EngineConfig
+from fd_core.engine.core_process import run_core
+from fd_core.engine.wire import Shutdown
+from fd_core.logs import effective_level
+
+log = logging.getLogger("fd.engine")
+
+
+def client_addresses(folder: str, index: int) -> tuple[str, str]:
+    """Client ``index``'s (input, output) socket addresses in ``folder``: it binds both, the
+    core connects."""
+    return f"ipc://{folder}/input-{index}", f"ipc://{folder}/output-{index}"
+
+
+class CoreWatch:
+    """Whether the core process with this pid lives, for a client that did not spawn it (and
+    so cannot reap it: a core that died stays a zombie until its parent reaps it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X")
+
+
+class CoreHandle:
+    """The spawned core process, its control socket and their folder."""
+
+    def __init__(self, process: multiprocessing.Process, control: zmq.Socket, ctx: zmq.Context,
+                 folder: str) -> None:
+        self.process = process
+        self._control = control
+        self._ctx = ctx
+        self._folder = folder
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, clients: list[tuple[str, str]],
+              scheduler: SchedulerConfig | None = None) -> CoreHandle:
+        """Start the core for ``clients`` (each an (input, output) address pair)."""
+        folder = tempfile.mkdtemp(prefix="fd-core-")
+        ctx = zmq.Context()
+        control = ctx.socket(zmq.PUSH)
+        control.setsockopt(zmq.LINGER, 0)
+        control.setsockopt(zmq.SNDHWM, 0)
+        address = f"ipc://{folder}/control"
+        control.bind(address)
+        # daemon: should the owner exit without stop(), multiprocessing still ends it
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_core, name="fd-engine-core", daemon=True,
+            args=(config, [address] + [i for i, _ in clients], [o for _, o in clients], os.getpid(),
+                  effective_level(), scheduler),
+        )
+        process.start()
+        return cls(process, control, ctx, folder)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()  # reaps the process once it has exited
+
+    async def stop(self, ask: bool = True, grace: float = 5.0) -> None:
+        """Wait ``grace`` seconds for the core to exit (after asking it to, if ``ask``), then
+        terminate it, then kill it; then close the control socket."""
+        try:
+            if self.process.is_alive():
+                if ask:
+                    self._control.send(msgspec.msgpack.encode(Shutdown()), zmq.NOBLOCK)
+                if not (grace and await self._wait_exit(grace)):
+                    if grace:
+                        log.warning("the engine core did not stop within %g s; terminating it", grace)
+                    self.process.terminate()
+                    if not await self._wait_exit(2.0):
+                        self.process.kill()
+                        await self._wait_exit(2.0)
+        finally:
+            self._control.close()
+            self._ctx.term()
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.process.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+
+__all__ = ["CoreHandle", "CoreWatch", "client_addresses"]
