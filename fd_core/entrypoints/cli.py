@@ -346,7 +346,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     return serve(engine_config(args), host=args.host, port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key, limits=limits, metrics_port=args.metrics_port,
-                 log_requests=not args.disable_log_requests, parsing=parsing, scheduler=scheduler_config(args))
+                 log_requests=not args.disable_log_requests, parsing=parsing, scheduler=scheduler_config(args),
+                 api_server_count=args.api_server_count)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -515,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model)")
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="also serve /metrics on this port, as FastDeploy does (default: only on --port)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="HTTP processes sharing the port and the one engine (vLLM's flag): each tokenizes, "
+                        "detokenizes and streams its own requests, so one process's Python work no longer "
+                        "bounds a server under many streams (default 1)")
     add_scheduler_args(p)
     p.add_argument("--host", default="0.0.0.0",
                    help="address to listen on (default: 0.0.0.0, every interface; 127.0.0.1 for this machine only)")

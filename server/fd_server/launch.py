@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,17 +44,23 @@ ENGINE_SHUTDOWN_S = 30.0
 def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: str | Sequence[str] | None,
           api_key: str | None, limits: ServerLimits | None = None, metrics_port: int | None = None,
           log_requests: bool = True, parsing: ChatParsing | None = None,
-          scheduler: SchedulerConfig | None = None, router: bool = False) -> int:
+          scheduler: SchedulerConfig | None = None, router: bool = False, api_server_count: int = 1) -> int:
     """Run the server until it is stopped; returns the process exit status. ``metrics_port``:
     a second port that serves /metrics alone (FastDeploy's --metrics-port); ``log_requests``:
     a log line per request received and finished (``--disable-log-requests`` turns them off);
     ``scheduler``: how the instance joins a cluster (``--scheduler-name global``): a Redis that
     cannot be reached stops the start with one line naming its host and port. ``router``: serve
     the cluster's instances instead of an engine of its own (``fd router``, whose
-    ``engine_config`` only names the model for its tokenizer)."""
+    ``engine_config`` only names the model for its tokenizer). ``api_server_count``: HTTP
+    processes on the one listening socket and the one engine core (``_serve_several``)."""
     configure_default(role="server")  # fd serve has configured it already (--log-level)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: a port is a number from 1 to 65535 (or 0 for any free one)")
+    if api_server_count < 1:
+        raise ConfigError(f"--api-server-count {api_server_count}: at least 1 HTTP process")
+    if api_server_count > 1 and (router or (scheduler is not None and scheduler.is_global)):
+        raise ConfigError(f"--api-server-count {api_server_count}: one HTTP process only in a cluster "
+                          f"(--scheduler-name global or splitwise, fd router)")
     limits = limits or ServerLimits()
     api_key = api_key or os.environ.get("FD_API_KEY") or None
     names = ([served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])) \
@@ -86,6 +93,9 @@ def serve(engine_config: EngineConfig, host: str, port: int, served_model_name: 
                     "server; set --api-key (or FD_API_KEY) or --host 127.0.0.1", host)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if api_server_count > 1:
+            return asyncio.run(_serve_several(api_server_count, engine_config, sock, host, port, names, api_key,
+                                              limits, log_requests, parsing, metrics_sock))
         return asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
                                   metrics_sock, scheduler, router))
     except KeyboardInterrupt:
@@ -177,10 +187,103 @@ def _dead_exit_s() -> float:
         return DEFAULT_DEAD_EXIT_S
 
 
+async def _serve_several(count: int, engine_config: EngineConfig, sock: socket.socket, host: str, port: int,
+                         names: list[str], api_key: str | None, limits: ServerLimits, log_requests: bool,
+                         parsing: ChatParsing | None, metrics_sock: socket.socket | None) -> int:
+    """``count`` HTTP processes (``_api_server``) accept on ``sock`` and share one engine core,
+    which this process spawns and stops (``CoreHandle``). Their metrics meet in a
+    ``prometheus_client`` multiprocess folder, so any of them answers /metrics for all. A stop
+    signal reaches the HTTP processes (each drains its requests), then the core stops. An HTTP
+    process that exits on its own (the engine could not start: 2; it died: 1) stops the rest,
+    and its status is this one's."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    from fd_core.engine.core_handle import CoreHandle, client_addresses
+
+    metrics_dir = tempfile.mkdtemp(prefix="fd-metrics-")
+    folder = tempfile.mkdtemp(prefix="fd-api-")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    pairs = [client_addresses(folder, k) for k in range(count)]
+    log.info("fd: starting the engine for %s, served by %d HTTP processes", engine_config.model, count)
+    core = CoreHandle.spawn(engine_config, pairs)
+    spawn = multiprocessing.get_context("spawn")
+    # the children read PROMETHEUS_MULTIPROC_DIR when they import prometheus_client
+    env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    children = []
+    try:
+        for k in range(count):
+            child = spawn.Process(target=_api_server, name=f"fd-api-server-{k}", args=(
+                engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
+                metrics_sock if k == 0 else None, (pairs[k], core.pid, k, count), effective_level()))
+            child.start()
+            children.append(child)
+    finally:
+        if env_before is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = env_before
+    code = 0
+    try:
+        while not stop.is_set():
+            ended = [c for c in children if not c.is_alive()]
+            if ended:
+                code = max(c.exitcode or 0 for c in ended) or 1
+                log.error("fd: HTTP process %s exited with status %s; stopping the others", ended[0].name,
+                          ended[0].exitcode)
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+        for child in children:
+            if child.is_alive():
+                os.kill(child.pid, signal.SIGTERM)  # each drains its requests (GRACEFUL_SHUTDOWN_S)
+        deadline = loop.time() + GRACEFUL_SHUTDOWN_S + ENGINE_SHUTDOWN_S
+        while any(c.is_alive() for c in children) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for child in children:
+            if child.is_alive():
+                child.kill()
+            child.join()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await core.stop(grace=ENGINE_SHUTDOWN_S)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        log.info("fd: stopped")
+    return code
+
+
+def _api_server(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
+                api_key: str | None, limits: ServerLimits, log_requests: bool, parsing: ChatParsing | None,
+                metrics_sock: socket.socket | None, attach: tuple, log_level: int | str) -> None:
+    """One HTTP process of ``_serve_several``: ``_serve`` on a client attached to the shared
+    core. Exits 2 when the engine could not start (the error printed as ``fd`` prints it)."""
+    from fd_core.errors import FdError
+    from fd_core.logs import configure
+
+    configure(log_level, role="server")
+    # out of the terminal's process group: a Ctrl-C reaches the launcher alone, which sends one
+    # SIGTERM (a second signal would make uvicorn cut the requests it is draining)
+    os.setpgrp()
+    try:
+        code = asyncio.run(_serve(engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
+                                  metrics_sock, attach=attach))
+    except FdError as exc:
+        print(f"fd: error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code)
+
+
 async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, port: int, names: list[str],
                  api_key: str | None, limits: ServerLimits, log_requests: bool, parsing: ChatParsing | None,
                  metrics_sock: socket.socket | None = None, scheduler: SchedulerConfig | None = None,
-                 router: bool = False) -> int:
+                 router: bool = False, attach: tuple | None = None) -> int:
     import uvicorn
 
     from fd_core.engine.client import AsyncEngineClient
@@ -197,11 +300,14 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
         from fd_core.cluster.client import ClusterClient as client_class
 
         log.info("fd: routing to the cluster %r for %s", scheduler.topic, engine_config.model)
-    else:
+    elif attach is None:
         client_class = AsyncEngineClient
         log.info("fd: starting the engine for %s", engine_config.model)
     try:
-        client = await client_class.start(engine_config, scheduler=scheduler)
+        if attach is not None:  # one of several HTTP processes: ((input, output), core pid, index, count)
+            client = await AsyncEngineClient.attach(engine_config, *attach)
+        else:
+            client = await client_class.start(engine_config, scheduler=scheduler)
     except asyncio.CancelledError:
         log.info("fd: stopped during start-up")
         return 1
@@ -231,7 +337,10 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
                     return
                 await asyncio.sleep(0.05)
             auth = "API key required" if api_key else "no API key"
-            log.info("fd serving %s on http://%s:%d (%s)", name, host, port, auth)
+            if attach is None:
+                log.info("fd serving %s on http://%s:%d (%s)", name, host, port, auth)
+            elif attach[2] == 0:  # one line for the HTTP processes
+                log.info("fd serving %s on http://%s:%d (%s, %d HTTP processes)", name, host, port, auth, attach[3])
 
         async def exit_when_engine_dies() -> None:
             nonlocal exit_code

@@ -9,17 +9,23 @@ Engine-side figures (queue lengths, KV cache, prefix cache, token and preemption
 read from the engine client at scrape time: the core's latest report, sent after every step
 and, when it is idle, every heartbeat. Latencies are observed here as outputs arrive: the first
 token and every later one (``fd:inter_token_latency_seconds``, one observation per token of
-each sequence after its first) at once, the rest when a request finishes.
+each sequence after its first) at once, the rest when a request finishes. With several HTTP
+processes (``fd serve --api-server-count``, which sets ``PROMETHEUS_MULTIPROC_DIR`` for them)
+each records its observations in that folder and /metrics, from whichever process answers,
+sums every process's (``prometheus_client``'s multiprocess mode); the engine's figures are the
+same in each.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from fd_core.engine.outputs import RequestOutput
@@ -150,10 +156,14 @@ class ServerMetrics:
         values = [model_name, ENGINE_INDEX]
         self.registry.register(_EngineCollector(client, values))
         lengths = token_buckets(int(getattr(client, "max_model_len", 0) or 1))
+        own = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several HTTP processes
+            own = CollectorRegistry()  # recorded in the folder, shown by the collector below
+            MultiProcessCollector(self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             # the labelled child up front, so every series exists (at zero) from the start
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*values)
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=own).labels(*values)
 
         self.ttft = histogram("time_to_first_token_seconds",
                               "Time from a request's arrival to its first token.", _TTFT_BUCKETS)
@@ -184,7 +194,7 @@ class ServerMetrics:
                                            "The max_tokens of each finished request (the server's default where the client gave none).",
                                            lengths)
         success = Counter(PREFIX + "request_success", "Sequences that finished, by finish reason.",
-                          [*LABELS, "finished_reason"], registry=self.registry)
+                          [*LABELS, "finished_reason"], registry=own)
         self.finished = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         self._success = success
         self._values = values
