@@ -82,3 +82,12 @@ def test_a_count_that_cannot_run_is_refused_at_start(model, flags, message):
     done = subprocess.run([sys.executable, "-m", "fd_server", "--model", model, "--port", "0", *flags],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_an_engine_that_cannot_start_is_reported_once(model):
+    """The launcher waits for the engine before it starts the HTTP processes, so the engine's
+    own error is the one printed, once, and the status is fd's for a failed start."""
+    done = subprocess.run([sys.executable, "-m", "fd_server", "--model", model, "--port", "0", "--max-model-len",
+                           "100000", "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("exceeds the model's context length") == 1, done.stderr[-2000:]

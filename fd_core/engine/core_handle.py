@@ -1,8 +1,10 @@
 """The engine-core process as its clients see it: spawned once, for one client or several.
 
 ``CoreHandle.spawn`` starts ``core_process.run_core`` for the clients whose socket addresses it
-is given (each client binds its own pair, see ``client.AsyncEngineClient``) and keeps a control
-socket of its own, through which ``stop`` asks the core to exit. Whoever spawned the core owns
+is given (each client binds its own pair, see ``client.AsyncEngineClient``) and keeps two
+sockets of its own, bound before the core starts: a control socket, through which ``stop`` asks
+the core to exit, and a status socket, on which ``wait_ready`` gets the core's Ready or its
+start-up failure even before any client is up. Whoever spawned the core owns
 its handle: ``AsyncEngineClient.start`` for a server with one HTTP process, the launcher of
 ``fd serve --api-server-count N`` for several. A client in another process watches the core
 by its pid (``CoreWatch``).
@@ -22,10 +24,12 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from fd_core import errors
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.core_process import run_core
-from fd_core.engine.wire import Shutdown
+from fd_core.engine.wire import CoreMessage, Failed, Ready, Shutdown
+from fd_core.errors import BackendError
 from fd_core.logs import effective_level
 
 log = logging.getLogger("fd.engine")
@@ -56,10 +60,11 @@ class CoreWatch:
 class CoreHandle:
     """The spawned core process, its control socket and their folder."""
 
-    def __init__(self, process: multiprocessing.Process, control: zmq.Socket, ctx: zmq.Context,
-                 folder: str) -> None:
+    def __init__(self, process: multiprocessing.Process, control: zmq.Socket, status: zmq.Socket,
+                 ctx: zmq.Context, folder: str) -> None:
         self.process = process
         self._control = control
+        self._status = status
         self._ctx = ctx
         self._folder = folder
 
@@ -74,14 +79,39 @@ class CoreHandle:
         control.setsockopt(zmq.SNDHWM, 0)
         address = f"ipc://{folder}/control"
         control.bind(address)
+        status = ctx.socket(zmq.PULL)
+        status.setsockopt(zmq.LINGER, 0)
+        status.bind(f"ipc://{folder}/status")
         # daemon: should the owner exit without stop(), multiprocessing still ends it
         process = multiprocessing.get_context("spawn").Process(
             target=run_core, name="fd-engine-core", daemon=True,
             args=(config, [address] + [i for i, _ in clients], [o for _, o in clients], os.getpid(),
-                  effective_level(), scheduler),
+                  effective_level(), scheduler, f"ipc://{folder}/status"),
         )
         process.start()
-        return cls(process, control, ctx, folder)
+        return cls(process, control, status, ctx, folder)
+
+    async def wait_ready(self, timeout: float) -> Ready:
+        """The core's Ready; its start-up failure re-raised as the same fd error type."""
+        decoder = msgspec.msgpack.Decoder(CoreMessage)
+        deadline = time.monotonic() + timeout
+        exited_at = None
+        while True:
+            if self._status.poll(0):
+                msg = decoder.decode(self._status.recv())
+                if isinstance(msg, Ready):
+                    return msg
+                if isinstance(msg, Failed):
+                    raise errors.rebuild(msg.error_type, msg.message, BackendError)
+                continue
+            now = time.monotonic()
+            if not self.process.is_alive():  # a failure it reported may still be on its way
+                exited_at = exited_at or now
+                if now - exited_at > 1.0:
+                    raise BackendError(f"the engine core exited with code {self.exitcode} before it was ready")
+            elif now > deadline:
+                raise BackendError(f"the engine core was not ready within {timeout:g} s")
+            await asyncio.sleep(0.05)
 
     @property
     def pid(self) -> int:
@@ -110,6 +140,7 @@ class CoreHandle:
                         await self._wait_exit(2.0)
         finally:
             self._control.close()
+            self._status.close()
             self._ctx.term()
             shutil.rmtree(self._folder, ignore_errors=True)
 

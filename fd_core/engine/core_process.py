@@ -56,9 +56,11 @@ CLUSTER_IDLE_POLL_S = 0.01  # how often an idle core of a cluster looks for requ
 # -- the process -----------------------------------------------------------------------------
 
 def run_core(config: EngineConfig, input_addresses: list[str], output_addresses: list[str], parent_pid: int,
-             log_level: int | str | None = None, scheduler: SchedulerConfig | None = None) -> None:
+             log_level: int | str | None = None, scheduler: SchedulerConfig | None = None,
+             status_address: str | None = None) -> None:
     """Entry point of the spawned process, for the clients whose sockets are at
-    ``input_addresses`` and ``output_addresses`` (client ``k``'s output is the ``k``-th). Exits
+    ``input_addresses`` and ``output_addresses`` (client ``k``'s output is the ``k``-th);
+    ``status_address``: the spawner's, which gets Ready or the core's failure alone. Exits
     non-zero if start-up or a step fails.
     ``log_level``: the client's (``fd_core.logs.effective_level``); None: ``$FD_LOG_LEVEL``.
     ``scheduler``: with ``--scheduler-name global``, requests come from the cluster's Redis
@@ -75,7 +77,7 @@ def run_core(config: EngineConfig, input_addresses: list[str], output_addresses:
     inbox.setsockopt(zmq.LINGER, 0)
     for address in input_addresses:
         inbox.connect(address)
-    outbox = Outboxes(ctx, output_addresses)
+    outbox = Outboxes(ctx, output_addresses, status_address)
     encoder = msgspec.msgpack.Encoder()
     code = 0
     try:
@@ -167,20 +169,26 @@ def _wire(o) -> WireOutput:
 
 
 class Outboxes:
-    """The core's PUSH socket to each client."""
+    """The core's PUSH socket to each client, and to its spawner's status socket."""
 
-    def __init__(self, ctx: zmq.Context, addresses: list[str]) -> None:
-        self.sockets = []
-        for address in addresses:
-            socket = ctx.socket(zmq.PUSH)
-            # Unbounded: a slow client must never block a step (and a dead one is noticed via the pid).
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.connect(address)
-            self.sockets.append(socket)
+    def __init__(self, ctx: zmq.Context, addresses: list[str], status_address: str | None = None) -> None:
+        self.sockets = [self._connect(ctx, address) for address in addresses]
+        self.status = None if status_address is None else self._connect(ctx, status_address)
+
+    @staticmethod
+    def _connect(ctx: zmq.Context, address: str) -> zmq.Socket:
+        socket = ctx.socket(zmq.PUSH)
+        # Unbounded: a slow client must never block a step (and a dead one is noticed via the pid).
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.connect(address)
+        return socket
 
     def send_all(self, frame: bytes) -> None:
+        """Ready or a failure of the whole core: to every client and the spawner."""
         for socket in self.sockets:
             socket.send(frame)
+        if self.status is not None:
+            self.status.send(frame)
 
     def send_to(self, request_id: str, frame: bytes) -> None:
         self.sockets[client_of(request_id) if len(self.sockets) > 1 else 0].send(frame)
@@ -197,7 +205,7 @@ class Outboxes:
             socket.send(encoder.encode(StepOutputs(theirs, stats)))
 
     def close(self, linger: int) -> None:
-        for socket in self.sockets:
+        for socket in self.sockets + ([self.status] if self.status is not None else []):
             socket.close(linger=linger)
 
 

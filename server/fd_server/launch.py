@@ -211,6 +211,27 @@ async def _serve_several(count: int, engine_config: EngineConfig, sock: socket.s
     pairs = [client_addresses(folder, k) for k in range(count)]
     log.info("fd: starting the engine for %s, served by %d HTTP processes", engine_config.model, count)
     core = CoreHandle.spawn(engine_config, pairs)
+    # the HTTP processes start once the engine is ready: its failure is raised here, once
+    waiting = asyncio.ensure_future(core.wait_ready(900.0))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        ready = waiting.done() and waiting.result()
+    except BaseException:
+        ready = None
+        raise
+    finally:
+        stopping.cancel()
+        waiting.cancel()
+        if not ready:  # a failed start (raised) or a stop during it
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await core.stop(ask=False, grace=2.0)
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    if not ready:
+        log.info("fd: stopped during start-up")
+        return 1
     spawn = multiprocessing.get_context("spawn")
     # the children read PROMETHEUS_MULTIPROC_DIR when they import prometheus_client
     env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
