@@ -50,6 +50,14 @@ class CoreWatch:
         self.exitcode: int | None = None
 
     def is_alive(self) -> bool:
+        if not Path("/proc/self/stat").exists():  # no procfs (not Linux): a zombie looks alive here
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
         try:
             state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
