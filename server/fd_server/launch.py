@@ -211,46 +211,37 @@ async def _serve_several(count: int, engine_config: EngineConfig, sock: socket.s
     pairs = [client_addresses(folder, k) for k in range(count)]
     log.info("fd: starting the engine for %s, served by %d HTTP processes", engine_config.model, count)
     core = CoreHandle.spawn(engine_config, pairs)
-    # the HTTP processes start once the engine is ready: its failure is raised here, once
-    waiting = asyncio.ensure_future(core.wait_ready(900.0))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
-        ready = waiting.done() and waiting.result()
-    except BaseException:
-        ready = None
-        raise
-    finally:
-        stopping.cancel()
-        waiting.cancel()
-        if not ready:  # a failed start (raised) or a stop during it
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            await core.stop(ask=False, grace=2.0)
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-    if not ready:
-        log.info("fd: stopped during start-up")
-        return 1
-    spawn = multiprocessing.get_context("spawn")
-    # the children read PROMETHEUS_MULTIPROC_DIR when they import prometheus_client
-    env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    children = []
-    try:
-        for k in range(count):
-            child = spawn.Process(target=_api_server, name=f"fd-api-server-{k}", args=(
-                engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
-                metrics_sock if k == 0 else None, (pairs[k], core.pid, k, count), effective_level()))
-            child.start()
-            children.append(child)
-    finally:
-        if env_before is None:
-            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        else:
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = env_before
+    children: list[Any] = []
     code = 0
     try:
+        # the HTTP processes start once the engine is ready: its failure is raised here, once
+        waiting = asyncio.ensure_future(core.wait_ready(900.0))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([waiting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            waiting.cancel()
+        if not waiting.done() or waiting.cancelled():
+            log.info("fd: stopped during start-up")
+            return 1
+        waiting.result()
+        spawn = multiprocessing.get_context("spawn")
+        # the children read PROMETHEUS_MULTIPROC_DIR when they import prometheus_client
+        env_before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        try:
+            for k in range(count):
+                child = spawn.Process(target=_api_server, name=f"fd-api-server-{k}", args=(
+                    engine_config, sock, host, port, names, api_key, limits, log_requests, parsing,
+                    metrics_sock if k == 0 else None, (pairs[k], core.pid, k, count), effective_level()))
+                child.start()
+                children.append(child)
+        finally:
+            if env_before is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = env_before
         while not stop.is_set():
             ended = [c for c in children if not c.is_alive()]
             if ended:
@@ -260,6 +251,7 @@ async def _serve_several(count: int, engine_config: EngineConfig, sock: socket.s
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.2)
+    finally:
         for child in children:
             if child.is_alive():
                 os.kill(child.pid, signal.SIGTERM)  # each drains its requests (GRACEFUL_SHUTDOWN_S)
@@ -270,10 +262,10 @@ async def _serve_several(count: int, engine_config: EngineConfig, sock: socket.s
             if child.is_alive():
                 child.kill()
             child.join()
-    finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await core.stop(grace=ENGINE_SHUTDOWN_S)
+        # a core that failed to start has exited already; one stopped during its start is not asked
+        await core.stop(ask=bool(children), grace=ENGINE_SHUTDOWN_S if children else 2.0)
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         log.info("fd: stopped")
