@@ -45,6 +45,7 @@ class FakeServer(ThreadingHTTPServer):
         self.fail_every = 0  # every Nth generation request answers 500
         self.reject_extra_fields = False  # answer 400 to bodies with ignore_eos, as a strict server would
         self.bodies: list[dict[str, Any]] = []
+        self.in_flight = self.most_in_flight = 0  # generation requests being answered at once
         self.root: str | None = "smollm2"  # what GET /v1/models says the model was loaded from
         self.lock = threading.Lock()
 
@@ -86,6 +87,17 @@ class FakeHandler(BaseHTTPRequestHandler):
         if srv.reject_extra_fields and "ignore_eos" in body:
             self._json(400, {"error": {"message": "unknown field ignore_eos"}})
             return
+        with srv.lock:
+            srv.in_flight += 1
+            srv.most_in_flight = max(srv.most_in_flight, srv.in_flight)
+        try:
+            self._stream(body)
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
+
+    def _stream(self, body: dict[str, Any]) -> None:
+        srv = self.server
         chat = self.path == "/v1/chat/completions"
         # HTTP/1.0 with no Content-Length: the body ends when the connection closes, as SSE allows.
         self.send_response(200)
@@ -287,6 +299,26 @@ def test_rate_limited_arrivals_take_at_least_their_gaps(fake: FakeServer, tmp_pa
 
 
 @smollm2
+def test_client_processes_share_the_load_and_keep_the_order(fake: FakeServer, tmp_path: Path) -> None:
+    """--client-processes 3: the ShareGPT replies' lengths differ, so a result put back in the
+    wrong place shows in output_lens; the concurrency is shared, not multiplied."""
+    fake.first_delay, fake.gap = 0.02, 0.001
+    common = ["--base-url", fake.url, "--dataset-path", str(SHAREGPT), "--num-prompts", "9",
+              "--max-concurrency", "4", "--num-warmups", "0"]
+    rc, one = bench([*common, "--save-result", str(tmp_path / "one.json")])
+    assert rc == 0 and fake.most_in_flight <= 4
+    fake.most_in_flight = 0
+    rc, three = bench([*common, "--client-processes", "3", "--save-result", str(tmp_path / "three.json")])
+    assert rc == 0 and three["completed"] == 9 and three["failed"] == 0
+    assert len(set(one["output_lens"])) > 1  # else the order check below checks nothing
+    assert three["output_lens"] == one["output_lens"] and three["input_lens"] == one["input_lens"]
+    assert [len(gaps) for gaps in three["itls"]] == [n - 1 for n in three["output_lens"]]
+    assert 1 < fake.most_in_flight <= 4
+    assert three["params"]["client_processes"] == 3
+    assert three["duration_s"] >= max(three["latencies"])
+
+
+@smollm2
 def test_save_result_without_a_path_uses_vllms_file_name(fake: FakeServer, tmp_path: Path, capsys) -> None:
     rc, _ = bench(["--host", "127.0.0.1", "--port", fake.url.rsplit(":", 1)[1], "--num-prompts", "1",
                    "--random-output-len", "2", "--num-warmups", "0", "--max-concurrency", "1", "--save-result",
@@ -398,6 +430,10 @@ def test_bad_options_are_refused(capsys) -> None:
     assert "not both" in refusal([*url, "--port", "8000"], capsys)
     assert "given twice" in refusal([*url, "--save-result", "a.json", "--result-filename", "b.json"], capsys)
     assert "contradict" in refusal([*url, "--ignore-eos", "--no-force-length"], capsys)
+    assert "--client-processes must be at least 1" in refusal([*url, "--client-processes", "0"], capsys)
+    assert "more than the --max-concurrency of 2" in refusal(
+        [*url, "--client-processes", "3", "--max-concurrency", "2"], capsys)
+    assert "more than the --num-prompts of 4" in refusal([*url, "--client-processes", "5", "--num-prompts", "4"], capsys)
     assert "speaks the OpenAI API" in refusal([*url, "--backend", "tgi"], capsys)
     assert "give one" in refusal([*url, "--backend", "openai-chat", "--endpoint", "/v1/completions"], capsys)
     assert "random and sharegpt" in refusal([*url, "--dataset-name", "sonnet"], capsys)

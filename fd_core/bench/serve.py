@@ -203,6 +203,144 @@ async def send_guarded(client: Any, path: str, body: dict[str, Any], endpoint: s
         return RequestResult(error=f"{type(exc).__name__}: {exc}".strip())
 
 
+@dataclass(frozen=True)
+class Load:
+    """What every timed request of a run is sent with: all a client process needs besides its
+    share of the samples (picklable, unlike the argparse namespace)."""
+
+    base_url: str
+    endpoint: str
+    model: str
+    temperature: float
+    force_length: bool
+    usage: bool
+    extra_body: dict[str, Any]
+    api_key: str | None
+    timeout: float
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, p: Plan, model: str, force: bool, usage: bool) -> Load:
+        return cls(p.base_url, p.endpoint, model, args.temperature, force, usage, p.extra_body, args.api_key,
+                   args.timeout)
+
+    def body(self, sample: Sample) -> dict[str, Any]:
+        return build_body(self.endpoint, self.model, sample.prompt, sample.output_len, self.temperature,
+                          self.force_length, self.extra_body, self.usage)
+
+
+async def _measure(client: Any, load: Load, samples: Sequence[Sample], gaps: Sequence[float],
+                   concurrency: int | None, progress: bool = False) -> list[RequestResult]:
+    """Sends ``samples`` (each after its arrival gap, at most ``concurrency`` at once) and returns
+    their results in the samples' order."""
+    path = ENDPOINTS[load.endpoint]
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+    finished = 0
+
+    async def one(sample: Sample) -> RequestResult:
+        nonlocal finished
+        body = load.body(sample)
+        if gate is None:
+            result = await send_guarded(client, path, body, load.endpoint, sample.prompt_len, load.timeout)
+        else:
+            # The clock starts inside send_one, after the gate: queueing here is the
+            # benchmark's own doing, not the server's latency.
+            async with gate:
+                result = await send_guarded(client, path, body, load.endpoint, sample.prompt_len, load.timeout)
+        finished += 1
+        if progress:
+            print(f"\r{finished}/{len(samples)} done", end="", file=sys.stderr, flush=True)
+        return result
+
+    tasks = []
+    for sample, gap in zip(samples, gaps):
+        if gap:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(sample)))
+    results = await asyncio.gather(*tasks)
+    if progress:
+        print(file=sys.stderr)
+    return results
+
+
+def _shares(total: int | None, parts: int) -> list[int | None]:
+    if total is None:
+        return [None] * parts
+    return [total // parts + (1 if j < total % parts else 0) for j in range(parts)]
+
+
+def _client_process(load: Load, samples: list[Sample], gaps: list[float], concurrency: int | None,
+                    go: Any, out: Any, index: int) -> None:
+    """One of ``--client-processes``: its client made, it waits for ``go`` so that every process
+    starts sending together, then sends its share and puts its results on ``out``."""
+
+    async def main() -> list[RequestResult]:
+        async with _client(argparse.Namespace(api_key=load.api_key, timeout=load.timeout), load.base_url) as client:
+            out.put(("ready", index, None))
+            await asyncio.to_thread(go.wait)
+            return await _measure(client, load, samples, gaps, concurrency)
+
+    try:
+        out.put(("done", index, asyncio.run(main())))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it; a silent death would hang it
+        out.put(("failed", index, f"{type(exc).__name__}: {exc}"))
+
+
+def _measure_in_processes(load: Load, samples: Sequence[Sample], processes: int, rate: float,
+                          concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    """The timed requests sent from ``processes`` client processes, the samples dealt round-robin,
+    each process with its share of the concurrency and of the request rate (Poisson arrivals at
+    rate/k in each of k processes add up to rate). One process parses one stream's events at a
+    few tens of µs each; at tens of thousands of events a second it falls behind and the gaps it
+    measures are its own (docs/PERFORMANCE.md, "The client's own limit")."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of this process's running event loop
+    go, out = ctx.Event(), ctx.Queue()
+    shards = [list(range(j, len(samples), processes)) for j in range(processes)]
+    shares = _shares(concurrency, processes)
+    procs = [ctx.Process(target=_client_process, daemon=True,
+                         args=(load, [samples[i] for i in shard],
+                               arrival_gaps(len(shard), rate / processes, seed + 7919 * j), shares[j], go, out, j))
+             for j, shard in enumerate(shards)]
+    for proc in procs:
+        proc.start()
+    found: dict[int, list[RequestResult]] = {}
+    ready = 0
+    start = None
+    try:
+        while len(found) < processes:
+            try:
+                kind, index, value = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [j for j, proc in enumerate(procs) if not proc.is_alive() and j not in found]
+                if dead:
+                    raise RuntimeError(f"client process {dead[0]} exited with status {procs[dead[0]].exitcode} "
+                                  "before it reported")
+                continue
+            if kind == "failed":
+                raise RuntimeError(f"client process {index} failed: {value}")
+            if kind == "ready":
+                ready += 1
+                if ready == processes:
+                    start = time.perf_counter()
+                    go.set()
+            else:
+                found[index] = value
+        duration = time.perf_counter() - (start or time.perf_counter())
+    finally:
+        go.set()
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+    results: list[RequestResult] = [RequestResult()] * len(samples)
+    for j, shard in enumerate(shards):
+        for i, result in zip(shard, found[j]):
+            results[i] = result
+    return results, duration
+
+
 # ---------------------------------------------------------------------------------------------
 # Figures
 
@@ -374,6 +512,13 @@ def plan(args: argparse.Namespace) -> Plan:
         raise ConfigError("--request-rate must be positive (inf: all at once)")
     if args.warmup < 0:
         raise ConfigError("--num-warmups must be 0 or more")
+    if args.client_processes < 1:
+        raise ConfigError("--client-processes must be at least 1")
+    most = min(args.num_prompts, args.max_concurrency or args.num_prompts)
+    if args.client_processes > most:
+        raise ConfigError(f"--client-processes {args.client_processes} is more than the "
+                          f"{'--max-concurrency' if most < args.num_prompts else '--num-prompts'} of {most}: "
+                          "each process needs a request in flight")
     if args.ignore_eos and args.no_force_length:
         raise ConfigError("--ignore-eos and --no-force-length contradict each other; give one")
     try:
@@ -543,39 +688,21 @@ async def bench(args: argparse.Namespace, p: Plan | None = None) -> dict[str, An
             force, usage = await _warm_up(client, args, p, model, tokenizer, samples[0].prompt_len)
 
         spec_before = await spec_decode.scrape(client)
-        gaps = arrival_gaps(len(samples), args.request_rate, args.seed)
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        finished = 0
-        show_progress = sys.stderr.isatty() and not args.disable_tqdm
-
-        async def one(sample: Sample) -> RequestResult:
-            nonlocal finished
-            body = build_body(p.endpoint, model, sample.prompt, sample.output_len, args.temperature, force,
-                              p.extra_body, usage)
-            if gate is None:
-                result = await send_guarded(client, path, body, p.endpoint, sample.prompt_len, args.timeout)
-            else:
-                # The clock starts inside send_one, after the gate: queueing here is the
-                # benchmark's own doing, not the server's latency.
-                async with gate:
-                    result = await send_guarded(client, path, body, p.endpoint, sample.prompt_len, args.timeout)
-            finished += 1
-            if show_progress:
-                print(f"\r{finished}/{len(samples)} done", end="", file=sys.stderr, flush=True)
-            return result
-
         print(f"measuring: {len(samples)} requests to {p.base_url}{path} (model {model}, max concurrency "
-              f"{args.max_concurrency or 'unlimited'}, rate {args.request_rate:g}/s)", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        tasks = []
-        for sample, gap in zip(samples, gaps):
-            if gap:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(sample)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if show_progress:
-            print(file=sys.stderr)
+              f"{args.max_concurrency or 'unlimited'}, rate {args.request_rate:g}/s"
+              + (f", {args.client_processes} client processes" if args.client_processes > 1 else "") + ")",
+              file=sys.stderr, flush=True)
+        if args.client_processes > 1:
+            results, duration = await asyncio.to_thread(
+                _measure_in_processes, Load.of(args, p, model, force, usage), samples, args.client_processes,
+                args.request_rate, args.max_concurrency, args.seed)
+        else:
+            progress = sys.stderr.isatty() and not args.disable_tqdm
+            start = time.perf_counter()
+            results = await _measure(client, Load.of(args, p, model, force, usage), samples,
+                                     arrival_gaps(len(samples), args.request_rate, args.seed), args.max_concurrency,
+                                     progress)
+            duration = time.perf_counter() - start
         spec = spec_decode.difference(spec_before, await spec_decode.scrape(client))
 
     for sample, result in zip(samples, results):
@@ -678,6 +805,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "checks that the server accepts ignore_eos/min_tokens")
     load.add_argument("--timeout", type=float, default=600.0,
                       help="seconds one request may take (default %(default)s)")
+    load.add_argument("--client-processes", type=int, default=1, metavar="N",
+                      help="send from N processes, each with its share of the prompts, the concurrency and "
+                           "the rate: one process parses a few tens of thousands of streamed chunks a second "
+                           "at most, beyond which the ITL it measures is its own lag (default %(default)s)")
     load.add_argument("--disable-tqdm", action="store_true",
                       help="no progress line on a terminal (default: shown on a terminal)")
 

@@ -31,6 +31,7 @@ import zmq
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
+from fd_core.heap import freeze_startup_heap
 from fd_core.engine.wire import (
     Abort,
     ClientMessage,
@@ -112,6 +113,7 @@ def run_core(config: EngineConfig, input_addresses: list[str], output_addresses:
         if cluster is not None:
             cluster.announce(ready)
         outbox.send_all(ready)
+        freeze_startup_heap()
         try:
             _serve(core, inbox, outbox, encoder, parent_pid, cluster)
         except Exception as e:  # a failed step leaves the core's state unknown: report and exit

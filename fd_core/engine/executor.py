@@ -36,6 +36,7 @@ import zmq
 
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
+from fd_core.heap import freeze_startup_heap
 from fd_core.engine.model_runner import (
     PLACEHOLDER,
     Feed,
@@ -368,6 +369,11 @@ class Executor:
 # -- the worker process --------------------------------------------------------------------------
 
 
+# a rank's calls that build what lasts the process (its KV cache, graphs, swap space): frozen
+# out of the garbage collector's full collections once done (fd_core.heap)
+_SET_UP = frozenset({"initialize_kv_cache", "initialize_swap_space"})
+
+
 def _worker(rank: int, calls: str, replies: str) -> int:
     from fd_core.engine.loading import load_runner
     from fd_core.plugins import get_registry
@@ -415,6 +421,8 @@ def _worker(rank: int, calls: str, replies: str) -> int:
                 log.exception("tensor-parallel rank %d failed", rank)
                 answer(False, f"{type(exc).__name__}: {exc}" if isinstance(exc, FdError) else repr(exc))
                 return 1
+            if message[0] == "init" or message[1] in _SET_UP:
+                freeze_startup_heap()
             answer(True, result)
     finally:
         inbox.close(linger=0)
