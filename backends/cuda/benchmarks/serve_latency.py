@@ -145,14 +145,16 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
                      f"{sum(s[3] for s in slow) / max(len(slow), 1):.0f} sequences on average (all steps: "
                      f"{sum(s[2] for s in steps) / len(steps):.0f} / {sum(s[3] for s in steps) / len(steps):.0f}); "
                      f"cudaMalloc in {sum(s[4] > 0 for s in steps)} steps ({sum(s[4] > 0 for s in slow)} of the "
-                     f"slow), allocator retries in {sum(s[5] > 0 for s in steps)} ({sum(s[5] > 0 for s in slow)})")
+                     f"slow), allocator retries in {sum(s[5] > 0 for s in steps)} ({sum(s[5] > 0 for s in slow)}), "
+                     f"pinned host allocations in {sum(s[6] > 0 for s in steps if len(s) > 6)} "
+                     f"({sum(s[6] > 0 for s in slow if len(s) > 6)})")
         compiled = [c for c in trace.get("compiles", []) if began <= c[0] <= ended]
         in_slow = sum(any(s[0] <= c[0] <= s[0] + s[1] for s in slow) for c in compiled)
         lines.append(f"  - Triton compilations during the run: {len(compiled)} ({in_slow} inside slow steps): "
                      + ", ".join(sorted({c[1] for c in compiled})))
         worst = sorted(steps, key=lambda s: -s[1])[:5]
-        lines.append("  - slowest steps (ms, tokens, sequences, cudaMallocs, retries): " + "; ".join(
-            f"{1000 * s[1]:.1f}, {s[2]}, {s[3]}, {s[4]}, {s[5]}" for s in worst))
+        lines.append("  - slowest steps (ms, tokens, sequences, cudaMallocs, retries, host allocations): " + "; ".join(
+            ", ".join([f"{1000 * s[1]:.1f}", *map(str, s[2:])]) for s in worst))
     return "\n".join(lines) or "  - no trace written"
 
 

@@ -2,7 +2,8 @@
 it starts. Each process records its garbage collections after start-up (the heap frozen by
 ``fd_core.heap``); the engine core also records every step: when it began, how long
 ``EngineCore.step`` took, how many tokens and sequences the scheduler gave it, and how many
-cudaMalloc calls and allocator retries (torch's caching allocator) it made; and every Triton
+cudaMalloc calls, allocator retries (torch's caching allocator) and pinned host allocations it
+made; and every Triton
 compilation (a kernel's first launch with a new specialisation) with its time. Written to
 DIR/trace.<pid>.jsonl, appended every half second by a thread (processes may end by a signal)."""
 
@@ -70,22 +71,28 @@ def _wrap_core() -> None:
         last["tokens"], last["seqs"] = out.num_tokens, len(out.scheduled)
         return out
 
-    def allocator():  # cudaMalloc calls and the allocator's free-everything-and-retry, so far
+    def allocator():
+        """cudaMalloc calls, the allocator's free-everything-and-retry, and cudaHostAlloc calls
+        of the pinned-memory cache (each may synchronise with the device), so far."""
         torch = sys.modules.get("torch")
         if torch is None or not torch.cuda.is_initialized():
-            return 0, 0
+            return 0, 0, 0
         stats = torch.cuda.memory_stats()
-        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
+        try:
+            host = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+        except (AttributeError, RuntimeError):
+            host = 0
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0), host
 
     def traced_step(self):
         began = time.perf_counter()
         last.clear()
-        mallocs, retries = allocator()
+        before = allocator()
         result = step(self)
         seconds = time.perf_counter() - began
-        mallocs_after, retries_after = allocator()
-        _steps.append((began, seconds, last.get("tokens", 0), last.get("seqs", 0), mallocs_after - mallocs,
-                       retries_after - retries))
+        after = allocator()
+        _steps.append((began, seconds, last.get("tokens", 0), last.get("seqs", 0),
+                       *(b - a for a, b in zip(before, after))))
         return result
 
     scheduler.Scheduler.schedule, core.EngineCore.step = traced_schedule, traced_step
