@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -49,3 +54,19 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def bench_serve(port: int, concurrency: int, prompts: int, input_len: int, output_len: int, warmups: int = 2,
+                extra: Sequence[str] = ()) -> dict:
+    """``fd bench serve`` of random prompts against the completions endpoint on 127.0.0.1:``port``
+    (``extra``: more of its flags); returns its saved results."""
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    try:
+        subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
+                        f"http://127.0.0.1:{port}", "--endpoint", "completions", "--max-concurrency", str(concurrency),
+                        "--num-prompts", str(prompts), "--input-len", str(input_len), "--output-len", str(output_len),
+                        "--num-warmups", str(warmups), "--save-result", str(out), *extra],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)

@@ -22,9 +22,7 @@ output tokens/s and the time per output token after the first.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
+from server_process import bench_serve, free_port, start, stop, wait_ready  # benchmarks/' helper
 from tests.checkpoints import ERNIE_45_21B_A3B, ERNIE_45_300B_A47B
 
 PROMPT, OUTPUT = 1100, 128
@@ -91,12 +89,7 @@ def run_fd(args, folder: Path) -> None:
                 print("  " + line.strip(), flush=True)
         rows = []
         for c in args.concurrency:
-            out = Path(tempfile.mkstemp(suffix=".json")[1])
-            subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
-                            f"http://127.0.0.1:{port}", "--endpoint", "completions", "--max-concurrency", str(c),
-                            "--num-prompts", str(max(2 * c, 8)), "--input-len", str(PROMPT), "--output-len",
-                            str(OUTPUT), "--num-warmups", "2", "--save-result", str(out)], check=True, stdout=subprocess.DEVNULL)
-            r = json.loads(out.read_text())
+            r = bench_serve(port, c, max(2 * c, 8), PROMPT, OUTPUT, 2)
             rows.append((c, r))
             print(f"concurrency {c}: {r['completed']} done, {r['failed']} failed, "
                   f"{r['output_tokens_per_s']:.0f} output tokens/s, TPOT p50 {_ms(r, 'tpot', 'p50'):.1f} ms", flush=True)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from moe_serve import MULTICAST_OFF  # noqa: E402 - NVLink multicast stays off in every process (KINDS.md)
-from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
+from server_process import bench_serve, free_port, start, stop, wait_ready  # benchmarks/' helper
 
 PROMPT, OUTPUT, TPOT_LIMIT_MS = 2000, 400, 50.0
 
@@ -163,13 +163,7 @@ def run_equal(args, folder: Path, model: Path) -> None:
 
 
 def bench(port: int, model: Path, concurrency: int) -> dict:
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
-                    f"http://127.0.0.1:{port}", "--model", str(model), "--endpoint", "completions",
-                    "--max-concurrency", str(concurrency), "--num-prompts", str(max(2 * concurrency, 16)),
-                    "--input-len", str(PROMPT), "--output-len", str(OUTPUT), "--num-warmups", "2",
-                    "--save-result", str(out)], check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return bench_serve(port, concurrency, max(2 * concurrency, 16), PROMPT, OUTPUT, 2, ["--model", str(model)])
 
 
 def _ms(r: dict, metric: str, pct: str) -> float:

@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from server_process import free_port, start, stop, wait_ready  # benchmarks/' helper
+from server_process import bench_serve, free_port, start, stop, wait_ready  # benchmarks/' helper
 
 PROMPT, OUTPUT = 256, 128
 TRACE_SITE = Path(__file__).resolve().parent / "trace_site"
@@ -62,16 +61,6 @@ def quantile(buckets: dict[float, float], q: float) -> float:
     return lower
 
 
-def bench(port: int, clients: int, prompts: int, processes: int) -> dict:
-    out = Path(tempfile.mkstemp(suffix=".json")[1])
-    subprocess.run([sys.executable, "-m", "fd_core.entrypoints.cli", "bench", "serve", "--base-url",
-                    f"http://127.0.0.1:{port}", "--endpoint", "completions", "--max-concurrency", str(clients),
-                    "--num-prompts", str(prompts), "--input-len", str(PROMPT), "--output-len", str(OUTPUT),
-                    "--num-warmups", "4", "--client-processes", str(processes), "--save-result", str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
-
-
 def run_variant(model: Path, flags: str, args) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(model), "--device", args.device,
@@ -87,10 +76,11 @@ def run_variant(model: Path, flags: str, args) -> None:
     try:
         if not wait_ready(server, port, limit=300):
             raise SystemExit(f"fd serve did not come up; its log ends:\n{log.read_text()[-3000:]}")
-        bench(port, args.clients, 2 * args.clients, args.client_processes)  # warm: graphs, kernels, allocator
+        load = ["--client-processes", str(args.client_processes)]
+        bench_serve(port, args.clients, 2 * args.clients, PROMPT, OUTPUT, 4, load)  # warm: graphs, kernels, allocator
         before = gap_buckets(port)
         began = time.perf_counter()
-        r = bench(port, args.clients, args.prompts, args.client_processes)
+        r = bench_serve(port, args.clients, args.prompts, PROMPT, OUTPUT, 4, load)
         ended = time.perf_counter()
         wall = ended - began
         after = gap_buckets(port)
