@@ -36,7 +36,7 @@ from fd_core.engine.core import (
     check_params,
     check_prompt,
 )
-from fd_core.engine.core_handle import CoreHandle, CoreWatch, client_addresses
+from fd_core.engine.core_handle import CoreHandle, CoreWatch, await_ready, client_addresses
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
 from fd_core.engine.sampling_params import SamplingParams
@@ -208,27 +208,15 @@ class AsyncEngineClient:
         return open_checkpoint(self.config).tokenizer
 
     async def _wait_ready(self, timeout: float) -> Ready:
-        deadline = time.monotonic() + timeout
-        exited_at = None
-        while True:
-            if await self._receiver.poll(int(_WATCH_S * 1000)):
-                msg = self._decoder.decode(await self._receiver.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, Failed):
-                    self._core_failed = True
-                    raise errors.rebuild(msg.error_type, msg.message, BackendError)
-                continue  # nothing else comes before Ready
-            now = time.monotonic()
-            if not self._core.is_alive():
-                # a core that failed cleanly sent why before exiting: give it a moment to arrive
-                exited_at = exited_at or now
-                if now - exited_at > 1.0:
-                    raise BackendError(
-                        f"the engine core exited with code {self._core.exitcode} before it was ready"
-                    )
-            elif now > deadline:
-                raise BackendError(f"the engine core was not ready within {timeout:g} s")
+        async def next_message() -> CoreMessage | None:
+            if not await self._receiver.poll(int(_WATCH_S * 1000)):
+                return None
+            msg = self._decoder.decode(await self._receiver.recv())
+            if isinstance(msg, Failed):
+                self._core_failed = True
+            return msg
+
+        return await await_ready(next_message, self._core, timeout)
 
     # -- state -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -39,6 +40,30 @@ def client_addresses(folder: str, index: int) -> tuple[str, str]:
     """Client ``index``'s (input, output) socket addresses in ``folder``: it binds both, the
     core connects."""
     return f"ipc://{folder}/input-{index}", f"ipc://{folder}/output-{index}"
+
+
+async def await_ready(next_message: Callable[[], Awaitable[CoreMessage | None]], core: CoreHandle | CoreWatch,
+                      timeout: float) -> Ready:
+    """The core's Ready, from ``next_message`` (the next message, or None after a short wait);
+    its start-up failure re-raised as the same fd error type; a BackendError when the core
+    exits first or stays silent past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    exited_at = None
+    while True:
+        msg = await next_message()
+        if isinstance(msg, Ready):
+            return msg
+        if isinstance(msg, Failed):
+            raise errors.rebuild(msg.error_type, msg.message, BackendError)
+        if msg is not None:
+            continue  # nothing else comes before Ready
+        now = time.monotonic()
+        if not core.is_alive():  # a core that failed cleanly sent why before exiting: let it arrive
+            exited_at = exited_at or now
+            if now - exited_at > 1.0:
+                raise BackendError(f"the engine core exited with code {core.exitcode} before it was ready")
+        elif now > deadline:
+            raise BackendError(f"the engine core was not ready within {timeout:g} s")
 
 
 class CoreWatch:
@@ -100,26 +125,16 @@ class CoreHandle:
         return cls(process, control, status, ctx, folder)
 
     async def wait_ready(self, timeout: float) -> Ready:
-        """The core's Ready; its start-up failure re-raised as the same fd error type."""
+        """The core's Ready on the status socket (``await_ready``)."""
         decoder = msgspec.msgpack.Decoder(CoreMessage)
-        deadline = time.monotonic() + timeout
-        exited_at = None
-        while True:
+
+        async def next_message() -> CoreMessage | None:
             if self._status.poll(0):
-                msg = decoder.decode(self._status.recv())
-                if isinstance(msg, Ready):
-                    return msg
-                if isinstance(msg, Failed):
-                    raise errors.rebuild(msg.error_type, msg.message, BackendError)
-                continue
-            now = time.monotonic()
-            if not self.process.is_alive():  # a failure it reported may still be on its way
-                exited_at = exited_at or now
-                if now - exited_at > 1.0:
-                    raise BackendError(f"the engine core exited with code {self.exitcode} before it was ready")
-            elif now > deadline:
-                raise BackendError(f"the engine core was not ready within {timeout:g} s")
+                return decoder.decode(self._status.recv())
             await asyncio.sleep(0.05)
+            return None
+
+        return await await_ready(next_message, self, timeout)
 
     @property
     def pid(self) -> int:
