@@ -90,11 +90,7 @@ class FakeHandler(BaseHTTPRequestHandler):
         with srv.lock:
             srv.in_flight += 1
             srv.most_in_flight = max(srv.most_in_flight, srv.in_flight)
-        try:
-            self._stream(body)
-        finally:
-            with srv.lock:
-                srv.in_flight -= 1
+        self._stream(body)
 
     def _stream(self, body: dict[str, Any]) -> None:
         srv = self.server
@@ -118,6 +114,8 @@ class FakeHandler(BaseHTTPRequestHandler):
             event({"choices": [choice]})
         if srv.send_usage and body.get("stream_options", {}).get("include_usage"):
             event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}})
+        with srv.lock:  # before [DONE]: a client may send its next request as soon as it reads it
+            srv.in_flight -= 1
         event("[DONE]")
 
 

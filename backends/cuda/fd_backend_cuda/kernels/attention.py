@@ -565,9 +565,9 @@ def plan_launches(
     small_q = small["block_m"] // group
     num_sms = _num_sms(device)
     launches = []
-    for tile, seqs in (
-        (small, np.flatnonzero((qlens >= 1) & (qlens <= small_q))),
-        (big, np.flatnonzero(qlens > small_q)),
+    for tile, seqs, prefill in (
+        (small, np.flatnonzero((qlens >= 1) & (qlens <= small_q)), False),
+        (big, np.flatnonzero(qlens > small_q), True),
     ):
         if len(seqs) == 0:
             continue
@@ -589,7 +589,7 @@ def plan_launches(
                 item_tok=_upload(item_tok, np.int32, device),
                 num_items=len(item_seq),
                 num_splits=int(splits),
-                split_mask=tile is big and int(keys.max()) >= SPLIT_MASK_KEYS,
+                split_mask=prefill and int(keys.max()) >= SPLIT_MASK_KEYS,
                 **tile,
             )
         )
