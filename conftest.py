@@ -7,6 +7,9 @@ import subprocess
 
 import pytest
 
+# the real Redis fixture (tests/redis_server.py) for every test that names it
+pytest_plugins = ["tests.redis_server"]
+
 
 def _has_gpu() -> bool:
     if shutil.which("nvidia-smi") is None:

@@ -16,7 +16,6 @@ from fd_core.cluster.config import SchedulerConfig  # noqa: E402
 from fd_core.cluster.global_scheduler import GlobalScheduler, RedisAddress, connect  # noqa: E402
 from fd_core.cluster.instance import ClusterInbox, abort_key  # noqa: E402
 from fd_core.engine.wire import AddRequest, CoreMessage, Failed, StepOutputs, WireOutput  # noqa: E402
-from tests.redis_server import redis_server  # noqa: E402, F401
 
 
 class FakeCore:

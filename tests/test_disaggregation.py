@@ -15,7 +15,6 @@ from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.engine.core import Prefilled  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.redis_server import redis_server  # noqa: E402, F401
 from tests.test_kv_cache import shared_prefix_prompts  # noqa: E402
 from tests.test_kv_transfer import connector  # noqa: E402
 

@@ -17,7 +17,7 @@ from fd_core.cluster.global_scheduler import (  # noqa: E402
     SchedulerUnavailableError,
     connect,
 )
-from tests.redis_server import free_port, redis_server  # noqa: E402, F401
+from tests.redis_server import free_port  # noqa: E402
 
 
 def scheduler(server, instance=None, ttl=10.0, role="mixed", topic="t"):

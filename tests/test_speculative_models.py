@@ -6,7 +6,6 @@ cache layers stay right; the MTP layer's drafts are what transformers computes f
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")  # the checkpoints are built with transformers

@@ -43,10 +43,11 @@ from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatc
 from fd_backend_cuda.deferred import deferred_bitmask
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
-from fd_backend_cuda.kernels.moe import moe, pack_experts
-from fd_backend_cuda.kernels.quantized_linear import METHODS as QUANTIZED_METHODS
-from fd_backend_cuda.kernels.quantized_linear import linear as quantized_linear
-from fd_backend_cuda.kernels.quantized_linear import pack_linear
+# re-exported: plugin.py registers these under the op contract's names
+from fd_backend_cuda.kernels.moe import moe, pack_experts  # noqa: F401
+from fd_backend_cuda.kernels.quantized_linear import METHODS as QUANTIZED_METHODS  # noqa: F401
+from fd_backend_cuda.kernels.quantized_linear import linear as quantized_linear  # noqa: F401
+from fd_backend_cuda.kernels.quantized_linear import pack_linear  # noqa: F401
 from fd_backend_cuda.kernels.rms_norm import rms_norm as _rms_norm
 from fd_backend_cuda.kernels.rotary import rotary as _rotary
 from fd_backend_cuda.kernels.sampling import DeviceSample

@@ -5,7 +5,6 @@ proposes mostly right drafts; a draft that is the target accepts (nearly) every 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
