@@ -291,7 +291,8 @@ def _measure_in_processes(load: Load, samples: Sequence[Sample], processes: int,
     each process with its share of the concurrency and of the request rate (Poisson arrivals at
     rate/k in each of k processes add up to rate). One process parses one stream's events at a
     few tens of µs each; at tens of thousands of events a second it falls behind and the gaps it
-    measures are its own (docs/PERFORMANCE.md, "The client's own limit")."""
+    measures are its own (docs/PERFORMANCE.md, "Several HTTP processes, the load generator's own
+    limit, and the engine's slow steps")."""
     import multiprocessing
     import queue
 
@@ -315,8 +316,8 @@ def _measure_in_processes(load: Load, samples: Sequence[Sample], processes: int,
             except queue.Empty:
                 dead = [j for j, proc in enumerate(procs) if not proc.is_alive() and j not in found]
                 if dead:
-                    raise RuntimeError(f"client process {dead[0]} exited with status {procs[dead[0]].exitcode} "
-                                  "before it reported")
+                    raise RuntimeError(f"client process {dead[0]} exited with status "
+                                       f"{procs[dead[0]].exitcode} before it reported")
                 continue
             if kind == "failed":
                 raise RuntimeError(f"client process {index} failed: {value}")
@@ -334,11 +335,10 @@ def _measure_in_processes(load: Load, samples: Sequence[Sample], processes: int,
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
-    results: list[RequestResult] = [RequestResult()] * len(samples)
+    placed: dict[int, RequestResult] = {}
     for j, shard in enumerate(shards):
-        for i, result in zip(shard, found[j]):
-            results[i] = result
-    return results, duration
+        placed.update(zip(shard, found[j]))
+    return [placed[i] for i in range(len(samples))], duration
 
 
 # ---------------------------------------------------------------------------------------------

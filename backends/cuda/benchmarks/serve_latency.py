@@ -165,8 +165,8 @@ def main() -> None:
     from e2e import build_model
 
     model = build_model(args.model)
-    print(f"{args.clients} clients, {PROMPT} prompt / {OUTPUT} output tokens, {args.prompts} requests per run")
-    print(f"{args.clients} clients in {args.client_processes} client processes")
+    print(f"{args.clients} clients from {args.client_processes} processes, {PROMPT} prompt / {OUTPUT} output tokens, "
+          f"{args.prompts} requests per run")
     print("| fd serve flags | requests | output tokens/s | TPOT p50 / p99 ms | client ITL p50 / p99 ms "
           "| ITL p99 / TPOT p50 | tokens a chunk | server gap p50 / p99 ms | server gaps > 10 / 25 ms "
           "| TTFT p50 / p99 ms |")
