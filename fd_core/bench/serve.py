@@ -274,7 +274,7 @@ def _client_process(load: Load, samples: list[Sample], gaps: list[float], concur
     starts sending together, then sends its share and puts its results on ``out``."""
 
     async def main() -> list[RequestResult]:
-        async with _client(argparse.Namespace(api_key=load.api_key, timeout=load.timeout), load.base_url) as client:
+        async with _client(load.base_url, load.api_key, load.timeout) as client:
             out.put(("ready", index, None))
             await asyncio.to_thread(go.wait)
             return await _measure(client, load, samples, gaps, concurrency)
@@ -585,14 +585,14 @@ def result_path(args: argparse.Namespace, model: str, rate: float, when: datetim
 # The run
 
 
-def _client(args: argparse.Namespace, base_url: str) -> Any:
+def _client(base_url: str, api_key: str | None, timeout: float) -> Any:
     import httpx
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # No connection cap: --max-concurrency is the cap, and httpx's own pool limit would queue
     # requests inside the client where the wait would be counted as server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(args.timeout), limits=limits)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout), limits=limits)
 
 
 async def first_model_card(client: Any) -> dict[str, Any]:
@@ -675,7 +675,7 @@ async def bench(args: argparse.Namespace, p: Plan | None = None) -> dict[str, An
     p = p or plan(args)
     path = ENDPOINTS[p.endpoint]
     load_before = _load()
-    async with _client(args, p.base_url) as client:
+    async with _client(p.base_url, args.api_key, args.timeout) as client:
         card = None
         if not (args.served_model_name or args.model):
             card = await first_model_card(client)

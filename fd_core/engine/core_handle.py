@@ -34,6 +34,7 @@ from fd_core.errors import BackendError
 from fd_core.logs import effective_level
 
 log = logging.getLogger("fd.engine")
+_PROCFS = Path("/proc/self/stat").exists()  # a process's state (a zombie's "Z") is read there
 
 
 def client_addresses(folder: str, index: int) -> tuple[str, str]:
@@ -75,7 +76,7 @@ class CoreWatch:
         self.exitcode: int | None = None
 
     def is_alive(self) -> bool:
-        if not Path("/proc/self/stat").exists():  # no procfs (not Linux): a zombie looks alive here
+        if not _PROCFS:  # not Linux: a zombie looks alive here
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
@@ -176,4 +177,4 @@ class CoreHandle:
         return True
 
 
-__all__ = ["CoreHandle", "CoreWatch", "client_addresses"]
+__all__ = ["CoreHandle", "CoreWatch", "await_ready", "client_addresses"]

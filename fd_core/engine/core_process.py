@@ -31,7 +31,6 @@ import zmq
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
-from fd_core.heap import freeze_startup_heap
 from fd_core.engine.wire import (
     Abort,
     ClientMessage,
@@ -44,6 +43,7 @@ from fd_core.engine.wire import (
     client_of,
     params_from_wire,
 )
+from fd_core.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from fd_core.cluster.instance import ClusterInbox

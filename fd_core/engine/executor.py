@@ -36,7 +36,6 @@ import zmq
 
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
-from fd_core.heap import freeze_startup_heap
 from fd_core.engine.model_runner import (
     PLACEHOLDER,
     Feed,
@@ -53,6 +52,7 @@ from fd_core.engine.model_runner import (
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
+from fd_core.heap import freeze_startup_heap
 from fd_core.interfaces import DeferredBitmask, SampleOutput, SamplingBatch
 from fd_core.logs import configure, effective_level, parse_level, rank_level
 

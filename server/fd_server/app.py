@@ -46,7 +46,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import fd_core
-from fd_core.heap import freeze_startup_heap
 from fd_server import chat, completions, errors
 from fd_server.errors import APIError, engine_unavailable
 from fd_server.limits import MAX_BODY_BYTES, ServerLimits
@@ -190,7 +189,6 @@ def build_app(client: Any, served_model_name: str | Sequence[str], api_key: str 
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        freeze_startup_heap()
         watcher = asyncio.ensure_future(monitor.watch())
         try:
             yield

@@ -30,6 +30,7 @@ from fd_core import errors
 from fd_core.cluster.config import SchedulerConfig
 from fd_core.engine.config import EngineConfig
 from fd_core.errors import ConfigError
+from fd_core.heap import freeze_startup_heap
 from fd_core.logs import configure_default, effective_level
 from fd_server.limits import ServerLimits
 from fd_server.tools import ChatParsing
@@ -343,6 +344,9 @@ async def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, po
         config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=effective_level(),
                                 lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
+        # this process is set up (engine client, tokenizer, app): out of the GC's full collections
+        # (here, not in build_app, whose callers in tests and embedding applications own their heap)
+        freeze_startup_heap()
 
         async def announce() -> None:
             while not server.started:

@@ -45,8 +45,8 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 # vLLM's token-gap buckets with three more below its first (10 ms), where a GPU's decode steps
 # fall (3-8 ms): vLLM's put them all in one bucket, so no quantile under 10 ms could be read.
 # Every vLLM boundary is kept, so its queries still work.
-_TOKEN_GAP_BUCKETS = (0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                      20.0, 40.0, 80.0)
+_TOKEN_GAP_BUCKETS = (0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)

@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from server_process import bench_serve, free_port, start, stop, wait_ready  # benchmarks/' helper
 
+from fd_core.bench.stats import percentile
+
 PROMPT, OUTPUT = 256, 128
 TRACE_SITE = Path(__file__).resolve().parent / "trace_site"
 GAP = re.compile(r'^fd:inter_token_latency_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} ([0-9.e+]+)$', re.M)
@@ -123,14 +125,14 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
         steps = [s for s in trace["steps"] if began <= s[0] <= ended]
         if not steps:
             continue
-        ms = sorted(1000 * s[1] for s in steps)
+        ms = [1000 * s[1] for s in steps]
         starts = [s[0] for s in steps]
-        between = sorted(1000 * (b - a) for a, b in zip(starts, starts[1:]))
+        between = [1000 * (b - a) for a, b in zip(starts, starts[1:])] or [0.0]
         slow = [s for s in steps if s[1] > 0.010]
-        lines.append(f"  - engine core: {len(steps)} steps; EngineCore.step p50 {ms[len(ms) // 2]:.2f} ms, p99 "
-                     f"{ms[int(0.99 * len(ms))]:.2f}, max {ms[-1]:.1f}; step start to start p50 "
-                     f"{between[len(between) // 2]:.2f} ms, p99 {between[int(0.99 * len(between))]:.2f}, max "
-                     f"{between[-1]:.1f}; {len(slow)} steps over 10 ms, with "
+        lines.append(f"  - engine core: {len(steps)} steps; EngineCore.step p50 {percentile(ms, 50):.2f} ms, p99 "
+                     f"{percentile(ms, 99):.2f}, max {max(ms):.1f}; step start to start p50 "
+                     f"{percentile(between, 50):.2f} ms, p99 {percentile(between, 99):.2f}, max "
+                     f"{max(between):.1f}; {len(slow)} steps over 10 ms, with "
                      f"{sum(s[2] for s in slow) / max(len(slow), 1):.0f} tokens and "
                      f"{sum(s[3] for s in slow) / max(len(slow), 1):.0f} sequences on average (all steps: "
                      f"{sum(s[2] for s in steps) / len(steps):.0f} / {sum(s[3] for s in steps) / len(steps):.0f}); "
