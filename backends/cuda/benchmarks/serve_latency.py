@@ -63,6 +63,14 @@ def quantile(buckets: dict[float, float], q: float) -> float:
     return lower
 
 
+def cpu_times() -> tuple[int, int]:
+    """The machine's busy and total CPU time so far (``/proc/stat``, all cores, in ticks)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
 def run_variant(model: Path, flags: str, args) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(model), "--device", args.device,
@@ -72,7 +80,7 @@ def run_variant(model: Path, flags: str, args) -> None:
     env = None
     if args.trace:
         traces = Path(tempfile.mkdtemp(prefix="fd-trace-"))
-        env = {"FD_TRACE_DIR": str(traces),
+        env = {"FD_TRACE_DIR": str(traces), "FD_TRACE_PROFILE": "1" if args.profile_steps else "",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(TRACE_SITE), os.environ.get("PYTHONPATH")]))}
     server = start(cmd, str(log), env=env)
     try:
@@ -81,9 +89,9 @@ def run_variant(model: Path, flags: str, args) -> None:
         load = ["--client-processes", str(args.client_processes)]
         bench_serve(port, args.clients, 2 * args.clients, PROMPT, OUTPUT, 4, load)  # warm: graphs, kernels, allocator
         before = gap_buckets(port)
-        began = time.perf_counter()
+        began, cpu_before = time.perf_counter(), cpu_times()
         r = bench_serve(port, args.clients, args.prompts, PROMPT, OUTPUT, 4, load)
-        ended = time.perf_counter()
+        ended, cpu_after = time.perf_counter(), cpu_times()
         wall = ended - began
         after = gap_buckets(port)
         if args.trace:
@@ -102,6 +110,9 @@ def run_variant(model: Path, flags: str, args) -> None:
           f"| {tokens / max(chunks, 1):.2f} | {server50:.1f} / {server99:.1f} "
           f"| {100 * over[0.01]:.2f}% / {100 * over[0.025]:.2f}% "
           f"| {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} |", flush=True)
+    busy = [b - a for a, b in zip(cpu_before, cpu_after)]
+    print(f"  - the host's CPUs during the run: {100 * busy[0] / max(busy[1], 1):.0f}% busy over {os.cpu_count()} "
+          f"cores; load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.trace:
         print(trace_summary(traces, began, ended), flush=True)
 
@@ -144,9 +155,24 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
         in_slow = sum(any(s[0] <= c[0] <= s[0] + s[1] for s in slow) for c in compiled)
         lines.append(f"  - Triton compilations during the run: {len(compiled)} ({in_slow} inside slow steps): "
                      + ", ".join(sorted({c[1] for c in compiled})))
+        timed = [s for s in slow if len(s) > 7]
+        if timed:
+            labels = ("schedule", "launch", "read", "wait", "cpu", "process_cpu")
+            lines.append("  - the slow steps' time, ms on average: " + ", ".join(
+                f"{label} {1000 * sum(s[7].get(label, 0.0) for s in timed) / len(timed):.2f}" for label in labels)
+                + "; all steps: " + ", ".join(
+                f"{label} {1000 * sum(s[7].get(label, 0.0) for s in steps if len(s) > 7) / len(steps):.2f}"
+                for label in labels))
+        if timed:
+            lines.append(f"  - involuntary context switches of the engine's thread: "
+                         f"{sum(s[7].get('switches', 0) for s in timed) / len(timed):.1f} a slow step, "
+                         f"{sum(s[7].get('switches', 0) for s in steps if len(s) > 7) / len(steps):.2f} a step")
         worst = sorted(steps, key=lambda s: -s[1])[:5]
-        lines.append("  - slowest steps (ms, tokens, sequences, cudaMallocs, retries, host allocations): " + "; ".join(
-            ", ".join([f"{1000 * s[1]:.1f}", *map(str, s[2:])]) for s in worst))
+        lines.append("  - slowest steps (ms, tokens, sequences, cudaMallocs, retries, host allocations, phases ms): "
+                     + "; ".join(", ".join([f"{1000 * s[1]:.1f}", *map(str, s[2:7]), *(
+                         f"{k} {1000 * v:.1f}" for k, v in (s[7] if len(s) > 7 else {}).items())]) for s in worst))
+    for path in sorted(folder.glob("profile.*.txt")):
+        lines.append(f"  - host profile of the engine's steps ({path.name}):\n" + path.read_text())
     return "\n".join(lines) or "  - no trace written"
 
 
@@ -160,6 +186,8 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true",
                     help="record the engine core's steps and every server process's garbage collections "
                          "(trace_site/sitecustomize.py) and summarise them under each row")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="with --trace: cProfile the engine's steps that admit prompts and print the top functions")
     ap.add_argument("--client-processes", type=int, default=4,
                     help="fd bench serve's client processes: one parses ~20,000 chunks/s at most (its gaps "
                          "are then its own lag)")

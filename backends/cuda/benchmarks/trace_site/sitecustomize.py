@@ -3,13 +3,18 @@ it starts. Each process records its garbage collections after start-up (the heap
 ``fd_core.heap``); the engine core also records every step: when it began, how long
 ``EngineCore.step`` took, how many tokens and sequences the scheduler gave it, and how many
 cudaMalloc calls, allocator retries (torch's caching allocator) and pinned host allocations it
-made; and every Triton
+made, and where its time went (the scheduler, queuing the step on the device, reading the
+previous step's tokens, and within that the wait for the device), and the CPU the step's
+thread and the whole process used meanwhile with the thread's involuntary context switches
+(a thread that used far less CPU than its wall time, without waiting for the device, was
+descheduled or waited for the GIL); and every Triton
 compilation (a kernel's first launch with a new specialisation) with its time. Written to
 DIR/trace.<pid>.jsonl, appended every half second by a thread (processes may end by a signal)."""
 
 import gc
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -37,11 +42,20 @@ def _writer() -> None:
             f.flush()
 
 
+_frozen = [False]
+
+
 def _on_gc(phase, info):
     now = time.perf_counter()
     if phase == "start":
         _start["gc"] = now
-    elif gc.get_freeze_count():
+        return
+    if not _frozen[0]:
+        # asked until the heap is frozen, then never again: get_freeze_count walks the frozen
+        # objects (25 ms a call in the engine core, H200 host), which made this callback the
+        # slowest part of the steps it was meant to observe
+        _frozen[0] = gc.get_freeze_count() > 0
+    if _frozen[0]:
         _gc.append((_start.get("gc", now), now - _start.get("gc", now), info["generation"]))
 
 
@@ -63,13 +77,35 @@ def _count_compiles() -> None:
 def _wrap_core() -> None:
     from fd_core.engine import core, scheduler
 
+    from fd_core.engine import executor
+
     schedule, step = scheduler.Scheduler.schedule, core.EngineCore.step
     last = {}
+    phases: dict = {}
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - began
+        return wrapper
 
     def traced_schedule(self):
+        began = time.perf_counter()
         out = schedule(self)
+        phases["schedule"] = time.perf_counter() - began
         last["tokens"], last["seqs"] = out.num_tokens, len(out.scheduled)
         return out
+
+    executor.Executor.launch = timed("launch", executor.Executor.launch)
+    core.EngineCore._read = timed("read", core.EngineCore._read)
+    try:
+        from fd_backend_cuda.kernels import sampling
+        sampling.DeviceSample.result = timed("wait", sampling.DeviceSample.result)
+    except Exception:  # noqa: BLE001 - no cuda backend here
+        pass
 
     def allocator():
         """cudaMalloc calls, the allocator's free-everything-and-retry, and cudaHostAlloc calls
@@ -84,15 +120,50 @@ def _wrap_core() -> None:
             host = 0
         return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0), host
 
+    # FD_TRACE_PROFILE=1: cProfile the steps that begin with prompts waiting (the ones that
+    # admit new prompts: prefill and mixed steps), their statistics written to
+    # DIR/profile.<pid>.txt every 100 such steps
+    threshold = os.environ.get("FD_TRACE_PROFILE") == "1"
+    profiler = None
+    if threshold:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiled = [0]
+
+        def dump():
+            with open(os.path.join(_DIR, f"profile.{os.getpid()}.txt"), "w") as f:
+                f.write(f"{profiled[0]} steps that began with prompts waiting\n")
+                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(30)
+
     def traced_step(self):
+        if profiler is not None and self.scheduler.waiting:
+            profiler.enable()
+            try:
+                return timed_step(self)
+            finally:
+                profiler.disable()
+                profiled[0] += 1
+                if profiled[0] % 100 == 0:
+                    dump()
+        return timed_step(self)
+
+    def timed_step(self):
         began = time.perf_counter()
         last.clear()
+        phases.clear()
         before = allocator()
+        usage, process = resource.getrusage(resource.RUSAGE_THREAD), time.process_time()
         result = step(self)
         seconds = time.perf_counter() - began
+        now = resource.getrusage(resource.RUSAGE_THREAD)
+        phases["cpu"] = now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime
+        phases["process_cpu"] = time.process_time() - process
+        phases["switches"] = now.ru_nivcsw - usage.ru_nivcsw
         after = allocator()
         _steps.append((began, seconds, last.get("tokens", 0), last.get("seqs", 0),
-                       *(b - a for a, b in zip(before, after))))
+                       *(b - a for a, b in zip(before, after)), dict(phases)))
         return result
 
     scheduler.Scheduler.schedule, core.EngineCore.step = traced_schedule, traced_step
