@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fd_core.engine.block_pool import BlockPool, block_hash, seq_block_hashes
+from fd_core.engine.block_rows import BlockTableRows
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.sequence import Sequence
 
@@ -80,6 +81,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.cfo: list[int] = []  # model of the free, still-cached blocks, in eviction order
         self.junk = itertools.count()
         self.queried = self.hit_tokens = 0
+        self.rows = BlockTableRows()  # the executor's copy of the tables, kept between steps
 
     @initialize(num_blocks=st.integers(3, 16), bs=st.sampled_from([1, 2, 3, 4]),
                 caching=st.sampled_from([True, True, True, False]))
@@ -292,6 +294,21 @@ class BlockPoolMachine(RuleBasedStateMachine):
             c = min(c, self.alloc[seq.seq_id] - seq.num_computed)
         self._compute(seq, seq.num_computed + c)
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def shrink(self, data) -> None:
+        """Give back a sequence's blocks past some uncomputed position (a speculative step's
+        rejected drafts)."""
+        seq = self._pick(data, self.running, "seq")
+        keep = data.draw(st.integers(seq.num_computed, self.alloc[seq.seq_id]), label="keep")
+        kept = ceil_div(keep, self.bs)
+        if kept < len(seq.block_table):
+            self._expect_release(seq.block_table[kept:])
+            self.alloc[seq.seq_id] = keep
+            event("shrunk")
+        self.pool.shrink(seq, keep)
+        assert len(seq.block_table) == ceil_div(self.alloc[seq.seq_id], self.bs)
+
     @precondition(lambda self: any(s.num_computed > 0 for s in self.running))
     @rule(data=st.data())
     def fork(self, data) -> None:
@@ -498,6 +515,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
         assert pool.queried_tokens == self.queried and pool.hit_tokens == self.hit_tokens
         assert pool.hit_rate() == (self.hit_tokens / self.queried if self.queried else 0.0)
+
+    @invariant()
+    def block_rows_are_the_tables(self) -> None:
+        """The executor's kept rows equal the tables built afresh, whatever the pool did to
+        them since the last step (this machine's steps see the running sequences in turn)."""
+        if not self.running:
+            return
+        got = self.rows.tables(self.running)
+        width = max(len(s.block_table) for s in self.running)
+        want = [s.block_table + [0] * (width - len(s.block_table)) for s in self.running]
+        assert got.tolist() == want
 
 
 TestBlockPoolStateMachine = BlockPoolMachine.TestCase
@@ -788,3 +816,24 @@ def test_reset_prefix_cache_keeps_prefixes_in_use():
     assert pool.reset_prefix_cache() == 1
     assert pool.match(make_seq([1, 1, 0])) == []
     assert pool.match(make_seq([2, 2, 0])) == b.block_table[:1]
+
+
+def test_block_rows_give_back_the_rows_of_sequences_gone():
+    """Rows of sequences no longer scheduled are given back once they outnumber the step's,
+    zeroed, and a returning sequence is written afresh; every step's tables stay exact."""
+    import random
+
+    rows, rng = BlockTableRows(), random.Random(0)
+    seqs = [make_seq([0]) for _ in range(300)]
+    for s in seqs:
+        s.block_table = [rng.randrange(1, 1000) for _ in range(rng.randrange(0, 40))]
+    for step in range(60):
+        batch = rng.sample(seqs, rng.randrange(1, 20))
+        for s in batch:
+            if rng.random() < 0.3:
+                s.block_table.extend(rng.randrange(1, 1000) for _ in range(rng.randrange(1, 3)))
+            elif rng.random() < 0.1:
+                s.block_table = s.block_table[: rng.randrange(0, len(s.block_table) + 1)]
+        width = max(len(s.block_table) for s in batch)
+        assert rows.tables(batch).tolist() == [s.block_table + [0] * (width - len(s.block_table)) for s in batch]
+        assert len(rows) <= 2 * 20 + 64 + len(batch)

@@ -303,3 +303,54 @@ def test_an_unimportable_runtime_is_a_backend_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "fd_core.runtimes.torch", None)  # import fails as without torch
     with pytest.raises(BackendError, match=r"^--runtime torch: the torch runtime cannot be imported .*fd-core\[torch\]"):
         bind_runtime(CpuPlatform(), "torch")
+
+
+class _HeadHooks:
+    """Runner hooks whose forward replacement runs the forward and the attached head together
+    (API 1.18's ``attach_head`` / ``with_head``), counting the decode steps it took."""
+
+    def __init__(self, take: bool = True) -> None:
+        self.take, self.calls, self.replacement = take, [], None
+
+    def wrap_forward(self, forward, limits):
+        hooks = self
+
+        class Replacement:
+            head = None
+
+            def __call__(self, *args):
+                return forward(*args)
+
+            def attach_head(self, head):
+                self.head = head
+
+            def with_head(self, ids, positions, kv_caches, meta):
+                hooks.calls.append(int(ids.shape[0]))
+                if not hooks.take:
+                    return None
+                hidden = forward(ids, positions, kv_caches, meta)
+                return hidden, self.head(hidden, None)
+
+        self.replacement = Replacement()
+        return self.replacement
+
+
+@pytest.mark.parametrize("take", [True, False])
+def test_a_forward_replacement_may_run_the_head_of_decode_steps(tmp_path, checkpoints, monkeypatch, take):
+    """The runner attaches the model's head to a replacement that can run it (API 1.18) and
+    hands it every decode step (each row samples, in order); the tokens are those of the plain
+    forward, whether it takes the steps or declines them (None)."""
+    from fd_core import SamplingParams
+
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want, _ = generate(model_dir, params, runtime="torch")
+    hooks = _HeadHooks(take)
+    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
+    got, llm = generate(model_dir, params, runtime="torch")
+    assert got == want
+    assert hooks.replacement.head is not None
+    # decode steps only: one row per sequence (a prefill step's rows outnumber its samples)
+    assert hooks.calls and max(hooks.calls) <= len(prompts())
+    eager, _ = generate(model_dir, params, runtime="torch", enforce_eager=True)
+    assert eager == want

@@ -173,8 +173,12 @@ class BlockPool:
         """Release ``seq``'s trailing blocks past the first ``num_tokens`` tokens' (slots a
         speculative step wrote for drafts that were rejected). They were never published."""
         keep = -(-num_tokens // self.block_size)
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
+        table = seq.block_table
+        if len(table) <= keep:
+            return
+        for b in reversed(table[keep:]):
+            self._release(b)
+        seq.block_table = table[:keep]  # a new list: see Sequence.block_table
 
     def take_blocks(self, count: int) -> list[int]:
         """``count`` fresh blocks, referenced once, for a caller that fills them itself

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from fd_core.engine.block_rows import BlockTableRows
 from fd_core.engine.config import EngineConfig
 from fd_core.engine.parent import watch_parent
 from fd_core.engine.model_runner import (
@@ -220,6 +221,7 @@ class Executor:
         self.workers = workers
         self._steps = itertools.count()  # ids of steps launched on worker ranks
         self._can_launch: bool | None = None
+        self._rows = BlockTableRows()  # the running sequences' block tables, kept between steps
 
     def _all_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's runner; their results, by rank."""
@@ -296,7 +298,7 @@ class Executor:
 
     def _step_inputs(self, scheduled: list[ScheduledSeq], score: bool
                      ) -> tuple[StepInputs, list[Sequence], SamplingBatch | None, Scored]:
-        inputs, sampled = prepare_inputs(scheduled, self.block_size)
+        inputs, sampled = prepare_inputs(scheduled, self.block_size, self._rows)
         scored = inputs.score_prompts(scheduled) if score else []
         batch = sampling_batch(sampled, self.eos_token_ids, drafts_ahead(scheduled)) if sampled else None
         return inputs, sampled, batch, scored

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from fd_core.engine import bad_words
+from fd_core.engine.block_rows import BlockTableRows
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
@@ -148,7 +149,8 @@ def greedy_batch(rows: int) -> SamplingBatch:
         output_token_ids=empty, suppress_token_ids=empty)
 
 
-def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[StepInputs, list[Sequence]]:
+def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int,
+                   rows: BlockTableRows | None = None) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
     scheduled sequence whose step reaches its end, followed by the forks the scheduler seated
     with it (``ScheduledSeq.forks``: they sample from the same row, each with its own seed). A
@@ -156,7 +158,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
     samples a row at each of those positions: it appears once per row.
 
     Built with one Python pass over the sequences and array operations after it: at a few
-    hundred sequences per step this runs every step, between two forwards."""
+    hundred sequences per step this runs every step, between two forwards. ``rows``: the
+    engine's block tables kept from step to step (else built from the lists)."""
     num_seqs = len(scheduled)
     query_lens = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=num_seqs)
     context_lens = np.fromiter((s.seq.num_computed for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -167,7 +170,8 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int) -> tuple[Step
         ids = np.fromiter(itertools.chain.from_iterable(
             s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts)) + s.drafts
             for s in scheduled), dtype=np.int64, count=num_tokens)
-    inputs = ragged_inputs(ids, [s.seq.block_table for s in scheduled], context_lens, query_lens, block_size)
+    tables = rows.tables([s.seq for s in scheduled]) if rows is not None else [s.seq.block_table for s in scheduled]
+    inputs = ragged_inputs(ids, tables, context_lens, query_lens, block_size)
     query_start_loc = inputs.meta.query_start_loc
     sampled: list[Sequence] = []
     rows: list[int] = []
@@ -255,6 +259,7 @@ class ModelRunner:
         self._staging: list[tuple[Any, Any]] = []  # host blocks export_kv copies through
         self._staging_blocks = 0
         self.forward = model.forward
+        self._with_head = False  # self.forward.with_head runs a decode step's forward and head
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
         # a draft model's forward has the target's signature, so the hook may replace it too
@@ -266,6 +271,12 @@ class ModelRunner:
             self.forward = wrap(model.forward, limits) if takes_limits else wrap(model.forward)
             if proposer is not None and not getattr(proposer, "reads_target_hidden", False):
                 self.proposer_forward = wrap(proposer.forward, limits) if takes_limits else wrap(proposer.forward)
+            # a replacement that can run the head with the forward (API 1.18: a graph holding
+            # both) gets it; not under tensor parallelism, whose head gathers across ranks
+            attach = getattr(self.forward, "attach_head", None)
+            if attach is not None and not getattr(getattr(model, "tp", None), "enabled", False):
+                attach(model.compute_logits)
+                self._with_head = True
 
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str, model: Any = None) -> list[tuple[Any, Any]]:
         m = model or self.model  # its own heads: a tensor-parallel rank holds a slice
@@ -386,9 +397,10 @@ class ModelRunner:
         free, total = self.memory.memory_info()
         return free, total, peak
 
-    def _forward(self, inputs: StepInputs, eager: bool, feed: Feed | None) -> tuple[Any, Any]:
-        """The step's hidden states, and its int64 inputs on the device: input ids, positions,
-        logit rows, then the prompt rows and the tokens they score, then the feed's."""
+    def _forward(self, inputs: StepInputs, eager: bool, feed: Feed | None) -> tuple[Any, Any, Any]:
+        """The step's hidden states, its int64 inputs on the device (input ids, positions,
+        logit rows, then the prompt rows and the tokens they score, then the feed's), and the
+        logits where the forward's replacement computed them with it (else None)."""
         n, rows, scored = len(inputs.input_ids), len(inputs.logit_rows), len(inputs.prompt_rows)
         parts = [inputs.input_ids, inputs.positions, inputs.logit_rows]
         if scored:
@@ -401,15 +413,22 @@ class ModelRunner:
         if feed is not None:
             k, at = len(feed.dest), 2 * n + rows + 2 * scored
             ids = feed.tokens.feed(ids, packed[at : at + k], packed[at + k :])
+        if self._with_head and not eager and _every_row_samples(inputs):
+            both = self.forward.with_head(ids, packed[n : 2 * n], self.kv_caches, inputs.meta)
+            if both is not None:
+                return both[0], packed, both[1]
         forward = self.model.forward if eager else self.forward
-        return forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta), packed
+        return forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta), packed, None
 
-    def _logits(self, inputs: StepInputs, hidden: Any, packed: Any) -> Any:
+    def _logits(self, inputs: StepInputs, hidden: Any, packed: Any, logits: Any = None) -> Any:
+        """The logits of the step's sampling rows (``logits``: the forward's own, if it made
+        them), None if it has none."""
         n, rows = len(inputs.input_ids), len(inputs.logit_rows)
         if not rows:
             return None
-        if rows == n and inputs.logit_rows[0] == 0 and (np.diff(inputs.logit_rows) == 1).all():
-            # every row samples, in order (decodes): no gather
+        if logits is not None:
+            return logits
+        if _every_row_samples(inputs):  # decodes: no gather
             return self.model.compute_logits(hidden, None)
         return self.model.compute_logits(hidden, packed[2 * n : 2 * n + rows])
 
@@ -465,10 +484,10 @@ class ModelRunner:
     def _step(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None,
               before_sample: Callable[[SamplingBatch], None] | None, sample: Callable[..., Any],
               lead: bool) -> tuple[Any, SampleOutput | None]:
-        hidden, packed = self._forward(inputs, False, feed)
+        hidden, packed, logits = self._forward(inputs, False, feed)
         if getattr(self.proposer, "reads_target_hidden", False):
             self._target_hidden = hidden  # until the proposer has read this step's rows
-        logits = self._logits(inputs, hidden, packed)
+        logits = self._logits(inputs, hidden, packed, logits)
         drawn = None
         if batch is not None and logits is not None:
             if before_sample is not None:
@@ -533,6 +552,13 @@ class ModelRunner:
         for j, (rows_j, drawn) in enumerate(pending):
             drafts[rows_j, j] = drawn.result().token_ids
         return drafts
+
+
+def _every_row_samples(inputs: StepInputs) -> bool:
+    """Whether every row of the step samples, in order (a decode step): its logits are the
+    head's over all the hidden states, no gather."""
+    n, rows = len(inputs.input_ids), inputs.logit_rows
+    return len(rows) == n > 0 and rows[0] == 0 and bool((np.diff(rows) == 1).all())
 
 
 def join_outputs(parts: list[SampleOutput]) -> SampleOutput:

@@ -40,6 +40,8 @@ class Sequence:
     seed: int
     arrival: int  # order of arrival; lower runs first and is preempted last
     output_token_ids: list[int] = field(default_factory=list)
+    # Only ever extended in place; any other change assigns a new list, which is what lets the
+    # executor keep each table's host row from step to step (engine/block_rows.py)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING

@@ -52,5 +52,12 @@ class ModelRunnerHooks(Protocol):
         sequence in it verifies exactly ``limits.num_speculative_tokens`` drafts (one graph per
         batch size for that shape): the engine then pads each decoding sequence's drafts to
         that many, as far as its ``max_tokens`` and ``max_model_len`` allow (a filler draft is
-        one more guess, verified like the others)."""
+        one more guess, verified like the others).
+
+        It may have ``attach_head(head)`` and ``with_head(ids, positions, kv_caches, meta)``
+        (API 1.18): the runner attaches the model's head (``compute_logits(hidden, None)``: the
+        logits of every row) before ``warm_up``, and for a step every row of which samples, in
+        order (a decode step), calls ``with_head`` for ``(hidden, logits)`` at once (a graph
+        holding both), or None where it does not take the step (the runner then runs the
+        forward and the head). Not attached under tensor parallelism."""
         ...

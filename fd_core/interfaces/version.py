@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.17.0"
+API_VERSION = "1.18.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -47,6 +47,8 @@ API_VERSION = "1.17.0"
 # 1.17: embedding gathers the rows of an int64 table too (the kit checks it): with tensor
 #      parallelism the model maps token ids to a rank's embedding rows on the device, so a
 #      step's input ids can come from the previous step's sample on every rank
+# 1.18: a wrap_forward replacement's optional attach_head / with_head: a decode step's forward
+#      and the model's head (the logits of every row) in one call, e.g. one captured graph
 
 
 def _parse(version: str) -> tuple[int, int, int]:

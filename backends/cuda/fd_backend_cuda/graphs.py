@@ -12,6 +12,10 @@ has uploaded them), and the attention metadata in two host-to-device copies. The
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
 cache slot -1 (their keys and values are not stored), the rule ``attention.py`` documents.
 
+Where the runner attaches the model's head (``attach_head``), each decode graph also computes
+the logits of every row after the forward (``with_head``), so a decode step's LM head is part of
+the replay.
+
 Every other step — prefill chunks, mixed batches, more sequences than the largest bucket — runs
 eagerly through the same ops. Every bucket is captured at start-up, once the KV cache exists
 (``warm_up``), each after one eager run of the bucket (Triton compiles, launch plans and
@@ -69,16 +73,26 @@ class _Graph:
         self.packed = np.zeros(2 * size + n, dtype=np.int32)  # seq_lens | context_lens | slot mapping
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # the head's, where one was captured
 
-    def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any) -> None:
-        forward(self.ids, self.positions, kv_caches, self.meta)  # warm-up: compile, plan, allocate
+    def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any,
+                head: Callable[..., Any] | None = None) -> None:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden = forward(self.ids, self.positions, kv_caches, self.meta)
+            return hidden, None if head is None else head(hidden, None)
+
+        run()  # warm-up: compile, plan, allocate
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.output = forward(self.ids, self.positions, kv_caches, self.meta)
+            self.output, self.logits = run()
         self.graph = graph
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.replay_head(ids, positions, meta)[0]
+
+    def replay_head(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's hidden states. A sequence with fewer than ``q`` tokens (a verification
         step where some have fewer drafts) has them at the head of its ``q`` rows: the rest are
         padding, whose keys and values are not written (slot -1) and whose outputs are not
@@ -110,7 +124,9 @@ class _Graph:
         tables = meta.block_tables
         upload(tables.astype(np.int32), device, into=self.tensors.block_tables[:s, : tables.shape[1]])
         self.graph.replay()
-        return self.output[:num] if index is None else self.output.index_select(0, index)
+        if index is not None:
+            return self.output.index_select(0, index), None
+        return self.output[:num], None if self.logits is None else self.logits[:num]
 
 
 class CudaGraphHooks:
@@ -135,10 +151,18 @@ class GraphedForward:
         self.verify_sizes = [s for s in self.sizes if s * (1 + k) <= limits.max_num_batched_tokens] if k else []
         self.uniform_drafts = bool(self.verify_sizes)  # the engine pads drafts to k (API 1.13)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.head: Callable[..., Any] | None = None
         self.pool = None
         self.kv_caches: list | None = None
         self.replays = 0
         self.verify_replays = 0  # of those, verification steps
+
+    def attach_head(self, head: Callable[..., Any]) -> None:
+        """Capture ``head`` (the model's logits of every row) into each decode graph after the
+        forward: the LM head's matmul then costs the host nothing (cuBLAS's launch took 70-80 us
+        of a batch-1 step's host time, H200 host). Before ``warm_up``."""
+        self.head = head
+        self.graphs.clear()
 
     def bucket(self, num_seqs: int, q: int = 1) -> int | None:
         for size in self.sizes if q == 1 else self.verify_sizes:
@@ -205,7 +229,7 @@ class GraphedForward:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = _Graph(size, self.limits, device, q)
-            graph.capture(self.forward, kv_caches, self.pool)
+            graph.capture(self.forward, kv_caches, self.pool, self.head if q == 1 else None)
             self.graphs[(size, q)] = graph
         return graph
 
@@ -220,6 +244,19 @@ class GraphedForward:
         if q and np.diff(meta.query_start_loc).max() <= q:
             return q
         return None
+
+    def with_head(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's hidden states and the attached head's logits of every row, from one
+        replay; None where the step is not a decode a graph holds (the caller runs the head)."""
+        if self.head is None or ids.device.type != "cuda" or self._shape(ids.shape[0], meta) != 1:
+            return None
+        size = self.bucket(meta.num_seqs)
+        if size is None:
+            return None
+        self.replays += 1
+        hidden, logits = self._graph(size, kv_caches, ids.device).replay_head(ids, positions, meta)
+        return hidden, self.head(hidden, None) if logits is None else logits
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:

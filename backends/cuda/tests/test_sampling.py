@@ -308,8 +308,12 @@ def test_sample_takes_half_precision_and_strided_logits():
     for dtype in (torch.float16, torch.bfloat16):
         rounded = torch.from_numpy(logits).to(dtype)
         expected = spec.sample(rounded.float().numpy(), batch)
-        actual = ops.sample(rounded.to(DEVICE), batch)
+        actual = ops.sample(rounded.to(DEVICE), batch)  # read as they are, widened in the kernel
         np.testing.assert_array_equal(actual.token_ids, expected.token_ids)
+        np.testing.assert_array_equal(actual.ranks, expected.ranks)
+        np.testing.assert_allclose(actual.logprobs, expected.logprobs, rtol=1e-5, atol=1e-5)
+        wide = torch.cat([rounded, rounded], dim=1).to(DEVICE)[:, :700]  # half precision, strided rows
+        np.testing.assert_array_equal(ops.sample(wide, batch).token_ids, expected.token_ids)
     wide = torch.from_numpy(np.concatenate([logits, logits], axis=1)).to(DEVICE)
     actual = ops.sample(wide[:, :700], batch)  # rows with a stride of 1400
     np.testing.assert_array_equal(actual.token_ids, spec.sample(logits, batch).token_ids)

@@ -199,7 +199,8 @@ def _load(row, c, n, COMPACT: tl.constexpr, HAS_MASK: tl.constexpr):
         x = tl.load(xs_row + c, mask=valid, other=float("-inf"))
     else:
         ids = c
-        x = _masked(tl.load(x_row + c, mask=valid, other=float("-inf")), words_row, c, valid, HAS_MASK)
+        x = _masked(tl.load(x_row + c, mask=valid, other=float("-inf")).to(tl.float32), words_row, c, valid,
+                    HAS_MASK)
     return ids, x, valid
 
 
@@ -434,7 +435,8 @@ def _sample_kernel(
     lane_id = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         c = start + cols
-        x = _masked(tl.load(x_row + c, mask=c < vocab, other=float("-inf")), words_row, c, c < vocab, HAS_MASK)
+        x = _masked(tl.load(x_row + c, mask=c < vocab, other=float("-inf")).to(tl.float32), words_row, c, c < vocab,
+                    HAS_MASK)
         bigger = x > lane_max
         lane_id = tl.where(bigger, c, lane_id)
         lane_max = tl.where(bigger, x, lane_max)
@@ -485,21 +487,21 @@ def _sample_kernel(
 
     # The raw log-softmax numbers: the token's logprob, its rank (tokens whose raw logit is at
     # least its own) and the row's logsumexp, in one more pass over the raw logits.
-    chosen = tl.load(raw_row + token)
+    chosen = tl.load(raw_row + token).to(tl.float32)
     if RAW_IS_X and not HAS_MASK:
         raw_max = best
     else:
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
             c = start + cols
-            x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf"))
+            x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf")).to(tl.float32).to(tl.float32)
             lane_max = tl.maximum(lane_max, x)
         raw_max = tl.max(lane_max, axis=0)
     lane_sum = tl.zeros([BLOCK], tl.float32)
     lane_rank = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         c = start + cols
-        x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf"))
+        x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)
         lane_sum += _exp(x - raw_max, PRECISE)
         lane_rank += ((x >= chosen) & (c < vocab)).to(tl.int32)
     log_total = _log(tl.sum(lane_sum, axis=0), PRECISE)
@@ -612,14 +614,19 @@ def sample_async(
     reads the logits; token, raw logprob, rank), and the top logprobs with torch ops when asked; one device-to-host copy, not
     waited for."""
     check_float("sample: logits", logits)
-    raw = logits.float()
+    suppress = any(len(t) for t in batch.suppress_token_ids)
+    # The kernel reads float16/bfloat16 logits as they are (widening is exact): a decode step's
+    # cast was a kernel and an allocation on the host's per-step path. The torch-side helpers
+    # (bias, penalties, suppression, top logprobs) work on float32.
+    plain = batch.logit_bias is None and not batch.needs_penalties and not suppress and batch.num_logprobs == 0
+    raw = logits if plain else logits.float()
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     vocab = raw.shape[1]
     x = torch_ops.bias(raw, batch) if batch.logit_bias is not None else raw
     if batch.needs_penalties:
         x = torch_ops.apply_penalties(x, batch)
-    if any(len(t) for t in batch.suppress_token_ids):
+    if suppress:
         x = torch_ops.suppress(x, batch)
     mask, words = batch.allowed_token_bitmask, None
     if mask is not None:  # structured output's grammar; a deferred one is queued behind its wait
