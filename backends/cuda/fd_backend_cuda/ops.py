@@ -14,6 +14,10 @@ every op not listed in ``OPS``, to the reference implementation.
   (--kv-cache-dtype int8 / fp8_e4m3); head_dim up to 256 (a power of two is the fast path; others are
   padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
   step into ``meta.device``.
+* ``linear`` for plain float16 / bfloat16 weights: the few-row kernel (``kernels/gemv.py``) for
+  one to four rows (decode steps of one to four sequences), where it beat cuBLAS on an H200
+  (``benchmarks/bench_gemv.py``), cuBLAS for everything else; registered apart from ``OPS``
+  (``plugin.py``). Float32 weights stay on cuBLAS.
 * ``linear`` / ``pack_linear`` for wint8, wint4 (zeros or not, per channel or groups of 16 and
   more) and block_wise_fp8 weights: registered apart from ``OPS`` (``plugin.py``), chosen per
   quantization method; plain weights go to cuBLAS.
@@ -39,9 +43,11 @@ from collections.abc import Callable
 
 import torch
 from fd_core.interfaces.ops import AttentionMetadata, SampleOutput, SamplingBatch
+from fd_core.runtimes.torch.ops import linear as _torch_linear
 
 from fd_backend_cuda.deferred import deferred_bitmask
 from fd_backend_cuda.kernels.activation import silu_and_mul as _silu_and_mul
+from fd_backend_cuda.kernels import gemv as _gemv
 from fd_backend_cuda.kernels.attention import paged_attention as _paged_attention
 # re-exported: plugin.py registers these under the op contract's names
 from fd_backend_cuda.kernels.moe import moe, pack_experts  # noqa: F401
@@ -130,6 +136,18 @@ def attention(
     scale: float,
 ) -> Tensor:
     return _paged_attention(q, k, v, kv_cache, meta, scale)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Plain weights: one to four rows through ``kernels/gemv.py``, cuBLAS otherwise. At three
+    or four rows cuBLAS keeps the long-K shapes (Llama-3-8B's down projection, K 14,336:
+    31.5 against 36 us on an H200); at one or two the kernel was ahead on every shape measured
+    (ERNIE-4.5-0.3B's o projection: 3.0 against 12.7 us)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (isinstance(weight, torch.Tensor) and _gemv.supports(x2, weight)
+            and (x2.shape[0] <= 2 or weight.shape[1] <= 8192)):
+        return _gemv.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return _torch_linear(x, weight, bias)
 
 
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.16"  # the cuda_ipc device KV connector (1.16, hook of 1.14); graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
+FD_API_VERSION = "1.18"  # attach_head / with_head: the LM head in decode graphs (1.18); the cuda_ipc device KV connector (1.16, hook of 1.14); graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
 
 
 @hookimpl
@@ -28,7 +28,7 @@ def fd_kv_transfers():
 def fd_register_ops(registry):
     from fd_backend_cuda.platform import CudaPlatform
 
-    # The rest are this backend's on purpose: embedding and dense linears are torch's own CUDA
+    # The rest are this backend's on purpose: embedding and float32 linears are torch's own CUDA
     # kernels (cuBLAS for the matmuls), not a fallback.
     registry.use_reference("cuda", "torch")
     if not CudaPlatform().is_available()[0]:
@@ -49,6 +49,17 @@ def fd_register_ops(registry):
     for op, fn in ops.OPS.items():
         registry.register(op, "cuda", fn, name=f"triton-{op}", priority=10, supports=supports_for(op),
                           runtime="torch")
+
+    def plain_half(quantization=None, dtype=None, **_):
+        import torch
+
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return quantization is None and dtype in (torch.float16, torch.bfloat16)
+
+    plain_half.why = lambda **_: "it serves plain float16/bfloat16 weights (float32 ones: cuBLAS through torch)"
+    # plain linear: the few-row kernel for decode steps of 1-4 sequences, cuBLAS otherwise
+    registry.register("linear", "cuda", ops.linear, name="triton-gemv", priority=10, supports=plain_half,
+                      runtime="torch")
 
     def quantized(quantization=None, **_):
         return quantization in ops.QUANTIZED_METHODS

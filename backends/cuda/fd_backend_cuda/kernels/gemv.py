@@ -1,0 +1,226 @@
+"""Plain (unquantized) ``y = x @ w.T (+ bias)`` for 1 to 4 rows of x: a decode step of one to
+four sequences, float16 / bfloat16 / float32, weight ``[N, K]`` row-major (nn.Linear's layout).
+
+Why a kernel of its own: at one row cuBLAS picks kernels that reach ~1 TB/s on small weights
+(H200, inside a CUDA graph: 13 µs for ERNIE-0.3B's 1024×2048 o_proj, a split-K pair of kernels
+for its down projection), while the step is pure weight streaming (``benchmarks/bench_gemv.py``).
+
+Design. Each program owns ``BLOCK_N`` rows of the weight and walks K in ``BLOCK_K`` steps, its
+loads coalesced along K; the weight is read once (``evict_first``), x stays in cache. Small
+``BLOCK_N`` (1-16) gives two or more programs per SM even at N = 1024, so there is no split K:
+one kernel, no workspace, every output summed in one fixed order, deterministic results.
+
+- CUDA cores (``_gemv_kernel``): products accumulated per (row, column) in float32, reduced
+  once at the end; 16 weight elements per thread a step, and with ``prefetch`` the next step's
+  tile is loaded before this one is used (Triton's ``num_stages`` pipelines only loads that
+  feed a dot, so it does nothing here). Rows of x past the real ``m`` (rounded up to 1, 2 or
+  4 at compile time) re-read the last real row and are never stored; weight rows past N
+  re-read row N - 1: whole tiles load without masks.
+- Tensor cores (``_gemv_dot_kernel``, 16-bit only): with 2-4 rows the CUDA cores do 2-4 FMAs
+  and conversions per weight element and become the limit on large weights (Llama-3-8B's
+  gate_up at 4 rows: 74 µs against cuBLAS' 55). The weight tile is the dot's A operand and x,
+  zero-padded to 16 rows, its B, so ``BLOCK_N >= 16``; Triton pipelines the tiles through
+  shared memory. Used where there are enough rows of N to fill the SMs with such programs.
+
+The launch configuration comes from ``choose_config``, a rule fitted to a sweep on an H200
+(``bench_gemv.py --sweep``: within 8% of the best configuration swept on every shape there),
+not ``triton.autotune``, which would benchmark inside a graph capture; ``gemv(...,
+config=...)`` overrides it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2
+
+MAX_ROWS = 4
+
+
+class Config(NamedTuple):
+    """One launch: weight rows a program, K per step, warps, whether the CUDA-core kernel loads
+    the next step's tile early, whether the tensor-core kernel runs instead (``block_n >= 16``),
+    and that kernel's pipeline depth (the CUDA-core kernel ignores ``num_stages``)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    prefetch: bool = False
+    dot: bool = False
+    num_stages: int = 3
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    # up to four rows of x, one accumulator each (unused ones are folded away at compile time)
+    x0 = x_ptr
+    x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
+    x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
+    x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if PREFETCH:
+        w_next = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, :], mask=(tl.arange(0, BLOCK_K) < K)[None, :],
+                         other=0.0, eviction_policy="evict_first")
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        if PREFETCH:
+            # the next step's tile is asked for before this one is used: two tiles in flight
+            # (Triton's num_stages pipelines only loads that feed a dot)
+            w = w_next.to(tl.float32)
+            w_next = tl.load(w_rows + BLOCK_K + rk[None, :], mask=(rk + BLOCK_K < K)[None, :], other=0.0,
+                             eviction_policy="evict_first")
+        elif EVEN_K:
+            w = tl.load(w_rows + rk[None, :], eviction_policy="evict_first").to(tl.float32)
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        for r in tl.static_range(ROWS):
+            x_row = x0 if r == 0 else x1 if r == 1 else x2 if r == 2 else x3
+            # loaded in the weight tile's shape, hence its layout: a [BLOCK_K] vector gets another
+            # layout and a trip through shared memory every step; ptxas drops the repeated loads
+            x_tile = tl.broadcast_to(x_row + rk[None, :], (BLOCK_N, BLOCK_K))
+            if EVEN_K:
+                part = w * tl.load(x_tile).to(tl.float32)
+            else:
+                part = w * tl.load(x_tile, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            if r == 0:
+                acc0 += part
+            elif r == 1:
+                acc1 += part
+            elif r == 2:
+                acc2 += part
+            else:
+                acc3 += part
+    n_ok = rn < N
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    for r in tl.static_range(ROWS):
+        out = tl.sum(acc0 if r == 0 else acc1 if r == 1 else acc2 if r == 2 else acc3, axis=1)
+        if HAS_BIAS:
+            out += bias
+        tl.store(y_ptr + r * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok & (r < M))
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    # the weight tile is the dot's A operand, x's rows (zero-padded to 16) its B columns; Triton
+    # pipelines the tiles through shared memory (num_stages)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    rm = tl.arange(0, 16)
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    m_ok = rm < M
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w = tl.load(w_rows + rk[None, :], eviction_policy="evict_first")
+            xt = tl.load(x_rows + rk[None, :], mask=m_ok[:, None], other=0.0)
+        else:
+            k_ok = rk < K
+            w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # Triton 3.6's interpreter gets bfloat16 dots wrong (values ~1e10)
+            w = w.to(tl.float32)
+            xt = xt.to(tl.float32)
+        acc = tl.dot(w, tl.trans(xt), acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=(rn < N)[:, None] & m_ok[None, :])
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _step(k: int, cap: int) -> int:
+    """K per step: the largest power of two up to ``cap`` (at least 256) that divides K, so that
+    steps need no masks; ``cap`` (bounded by K) where none does."""
+    step = cap
+    while step > 256 and k % step:
+        step //= 2
+    return step if k % step == 0 else min(cap, max(next_pow2(k), 16))
+
+
+def choose_config(m: int, n: int, k: int, sms: int = 132, tensor_cores: bool = True) -> Config:
+    """The launch for ``m`` rows and an ``[n, k]`` weight on a GPU of ``sms`` multiprocessors
+    (``tensor_cores``: the dtype is 16-bit).
+
+    Tensor cores from 2 rows where ``rows * n >= 16384`` (the crossover measured on an H200:
+    Llama-3-8B's N = 4096 at 4 rows, its 28672 and ERNIE's 103424 at 2); their programs as
+    large as still gives one per SM. Otherwise CUDA cores, 16 weight elements per thread a
+    step (4 warps; 8 at 2 rows), programs of the most weight rows (at most 2 at one row, 16
+    else) that still leave two per SM, the next step prefetched (not at 2 rows; where there is
+    one: a prefetch of nothing cost ERNIE's LM head a fifth at one row)."""
+    rows = 1 if m == 1 else 2 if m == 2 else 4
+    if tensor_cores and rows > 1 and rows * n >= 16384:
+        block_n = 64 if triton.cdiv(n, 64) >= sms else 32 if triton.cdiv(n, 32) >= sms else 16
+        return Config(block_n, min(8192 // block_n, max(next_pow2(k), 16)), 4, dot=True,
+                      num_stages=4 if block_n == 64 else 3)
+    warps = 8 if rows == 2 else 4
+    block_n = 1
+    while block_n < (2 if rows == 1 else 16) and n // (2 * block_n) >= 2 * sms:
+        block_n *= 2
+    block_k = _step(k, max(256, 16 * 32 * warps // block_n))
+    return Config(block_n, block_k, warps, prefetch=rows != 2 and k > block_k)
+
+
+def supports(x2: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` takes these operands: CUDA tensors (or CPU ones under Triton's
+    interpreter), x ``[m, K]`` with 1 to 4 rows and a unit stride along K, a contiguous
+    ``[N, K]`` weight of x's dtype (float16, bfloat16 or float32)."""
+    on_device = x2.is_cuda and weight.is_cuda and x2.device == weight.device
+    on_cpu = interpreting() and x2.device.type == "cpu" and weight.device.type == "cpu"
+    return ((on_device or on_cpu) and x2.dim() == 2 and weight.dim() == 2
+            and 1 <= x2.shape[0] <= MAX_ROWS and x2.dtype in FLOAT_DTYPES and weight.dtype == x2.dtype
+            and weight.shape[1] == x2.shape[1] and weight.is_contiguous()
+            and (x2.shape[1] <= 1 or x2.stride(1) == 1))
+
+
+def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: Config | None = None) -> torch.Tensor:
+    """``x2 [m, K] @ weight[N, K].T (+ bias[N])`` -> ``[m, N]`` in x's dtype, for operands that
+    ``supports`` accepts; ``config`` overrides ``choose_config`` (for benchmarks)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if n == 0:
+        return y
+    if config is None:
+        sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
+            if x2.is_cuda else 132
+        config = choose_config(m, n, k, sms, x2.dtype != torch.float32)
+    if bias is not None:
+        bias = bias.contiguous()
+    grid = (triton.cdiv(n, config.block_n),)
+    if config.dot:
+        _gemv_dot_kernel[grid](
+            x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            EVEN_K=k % config.block_k == 0, UPCAST=interpreting(), num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        return y
+    rows = 1 if m == 1 else 2 if m == 2 else 4
+    _gemv_kernel[grid](
+        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k,
+        num_warps=config.num_warps, num_stages=1)
+    return y

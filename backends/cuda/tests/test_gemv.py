@@ -1,0 +1,114 @@
+"""The few-row plain linear kernel (``kernels/gemv.py``) against a float64 product on the same
+rounded inputs, held to the specification's ``linear`` tolerance for the dtype.
+
+Without a CUDA device the kernel runs on CPU tensors through Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported), so shapes are kept small. Outputs are
+of order 1 (weights scaled by ``K ** -0.5``), so the bounds (1.6e-2 in bfloat16, 2e-3 in
+float16, 1e-4 in float32) are a few output roundings, far under a wrong element's error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any @triton.jit) is imported
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
+
+from fd_core.testing import spec  # noqa: E402
+
+from fd_backend_cuda.kernels.gemv import Config, choose_config, gemv, supports  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (N, K): N not a multiple of the block rows, K not a multiple of the step, both aligned
+SHAPES = [(24, 40), (37, 300), (64, 128)]
+
+
+def rand(shape, dtype, seed, scale=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def check(x2, w, bias, got) -> None:
+    want = x2.double() @ w.double().t()
+    if bias is not None:
+        want += bias.double()
+    assert got.dtype == x2.dtype and got.shape == want.shape
+    tol = spec.tolerance("linear", str(x2.dtype).removeprefix("torch."))
+    torch.testing.assert_close(got.double().cpu(), want.cpu(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv(dtype, n, k, m, with_bias):
+    x2 = rand((m, k), dtype, 1)
+    w = rand((n, k), dtype, 2, scale=k**-0.5)
+    bias = rand((n,), dtype, 3) if with_bias else None
+    assert supports(x2, w)
+    check(x2, w, bias, gemv(x2, w, bias))
+
+
+CONFIGS = [
+    Config(4, 64),  # several steps and a masked tail (K = 300)
+    Config(8, 128, num_warps=2, prefetch=True),
+    Config(1, 512, num_warps=8),  # one masked step
+    Config(16, 32, prefetch=True),
+    Config(16, 64, dot=True),
+    Config(32, 512, dot=True, num_stages=2),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_configs(config, m):
+    """Every launch configuration computes the same product."""
+    n, k = 37, 300
+    x2 = rand((m, k), torch.bfloat16, 4)
+    w = rand((n, k), torch.bfloat16, 5, scale=k**-0.5)
+    bias = rand((n,), torch.bfloat16, 6)
+    check(x2, w, bias, gemv(x2, w, bias, config=config))
+
+
+def test_gemv_strided_rows():
+    """x's rows may be spaced wider than K (a slice of a wider activation)."""
+    wide = rand((3, 96), torch.float32, 7)
+    x2 = wide[:, 16:80]
+    w = rand((40, 64), torch.float32, 8, scale=0.125)
+    assert supports(x2, w)
+    check(x2, w, None, gemv(x2, w))
+
+
+def test_supports():
+    x2 = rand((2, 64), torch.bfloat16, 9)
+    w = rand((32, 64), torch.bfloat16, 10)
+    assert supports(x2, w)
+    assert not supports(rand((5, 64), torch.bfloat16, 9), w)  # too many rows
+    assert not supports(x2[:0], w)
+    assert not supports(x2.float(), w)  # dtypes differ
+    assert not supports(x2, w[:, :32])  # K differs (and not contiguous)
+    assert not supports(x2, w.t().contiguous().t())  # not contiguous
+    assert not supports(x2[:, ::2], w[:, :32].contiguous())  # x not unit-stride along K
+    assert not supports(x2.to(torch.int32), w.to(torch.int32))
+
+
+def test_choose_config():
+    """At least one program per SM even at N = 1024, unmasked steps where K allows, tensor
+    cores only for 16-bit operands of more than one row."""
+    shapes = [(1024, 2048), (2560, 1024), (1024, 3072), (28672, 4096), (4096, 14336), (103424, 1024)]
+    for m in (1, 2, 3, 4):
+        for n, k in shapes:
+            c = choose_config(m, n, k)
+            assert -(-n // c.block_n) >= 132 and k % c.block_k == 0
+            assert c.dot == (m > 1 and (2 if m == 2 else 4) * n >= 16384)
+            assert not choose_config(m, n, k, tensor_cores=False).dot
+    assert choose_config(1, 64, 40).block_k == 64  # one masked step
