@@ -36,7 +36,6 @@ import zmq
 
 from fd_core.engine.block_rows import BlockTableRows
 from fd_core.engine.config import EngineConfig
-from fd_core.engine.parent import watch_parent
 from fd_core.engine.model_runner import (
     PLACEHOLDER,
     Feed,
@@ -50,6 +49,7 @@ from fd_core.engine.model_runner import (
     prepare_inputs,
     sampling_batch,
 )
+from fd_core.engine.parent import watch_parent
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError

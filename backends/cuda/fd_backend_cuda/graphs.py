@@ -6,8 +6,8 @@ num_speculative_tokens`` k), a verification step (each sequence its last token a
 drafts) replays a graph of ``q = 1 + k`` rows a sequence, captured per bucket too: a sequence
 with fewer tokens is padded inside the graph (rows that write nothing and that nothing reads),
 so a step replays whatever drafts the scheduler let each sequence verify; the engine pads
-drafts to k all the same (``uniform_drafts``), since a filler costs nothing there and may hold. The graph was captured with fixed input buffers; a
-replay first writes the step into them: token ids and positions (device to device: the runner
+drafts to k all the same (``uniform_drafts``), since a filler costs nothing there and may hold.
+The graph was captured with fixed input buffers; a replay first writes the step into them: token ids and positions (device to device: the runner
 has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
 cache slot -1 (their keys and values are not stored), the rule ``attention.py`` documents.

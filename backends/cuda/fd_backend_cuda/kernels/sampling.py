@@ -611,8 +611,8 @@ def sample_async(
 ) -> DeviceSample:
     """The ``sample_async`` op: logit bias, penalties and suppression (the torch reference's,
     only where the batch has them), then ``_sample_kernel`` (the grammar's bitmask applied as it
-    reads the logits; token, raw logprob, rank), and the top logprobs with torch ops when asked; one device-to-host copy, not
-    waited for."""
+    reads the logits; token, raw logprob, rank), and the top logprobs with torch ops when asked;
+    one device-to-host copy, not waited for."""
     check_float("sample: logits", logits)
     suppress = any(len(t) for t in batch.suppress_token_ids)
     # The kernel reads float16/bfloat16 logits as they are (widening is exact): a decode step's
