@@ -124,7 +124,7 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
     for path in sorted(folder.glob("trace.*.jsonl")):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         trace = {"argv": rows[0]["argv"] if rows and isinstance(rows[0], dict) else [], "gc": [], "steps": [],
-                 "compiles": []}
+                 "compiles": [], "devices": []}
         for row in rows:
             if isinstance(row, list):
                 trace[row[0]].append(row[1:])
@@ -163,6 +163,16 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
                 + "; all steps: " + ", ".join(
                 f"{label} {1000 * sum(s[7].get(label, 0.0) for s in steps if len(s) > 7) / len(steps):.2f}"
                 for label in labels))
+        lags = {began: (first, last) for began, first, last in trace["devices"]}
+        slow_lags = [lags[s[0]] for s in slow if s[0] in lags]
+        if slow_lags:
+            every = list(lags.values())
+            lines.append(f"  - the device's lag behind the host, ms at a step's start / end: slow steps "
+                         f"{1000 * sum(a for a, _ in slow_lags) / len(slow_lags):.2f} / "
+                         f"{1000 * sum(b for _, b in slow_lags) / len(slow_lags):.2f}, all steps "
+                         f"{1000 * sum(a for a, _ in every) / len(every):.2f} / "
+                         f"{1000 * sum(b for _, b in every) / len(every):.2f} (growing: the device was the slower "
+                         f"side; near zero at the end: it waited for the host)")
         if timed:
             lines.append(f"  - involuntary context switches of the engine's thread: "
                          f"{sum(s[7].get('switches', 0) for s in timed) / len(timed):.1f} a slow step, "
@@ -170,7 +180,8 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
         worst = sorted(steps, key=lambda s: -s[1])[:5]
         lines.append("  - slowest steps (ms, tokens, sequences, cudaMallocs, retries, host allocations, phases ms): "
                      + "; ".join(", ".join([f"{1000 * s[1]:.1f}", *map(str, s[2:7]), *(
-                         f"{k} {1000 * v:.1f}" for k, v in (s[7] if len(s) > 7 else {}).items())]) for s in worst))
+                         f"{k} {v:.0f}" if k == "switches" else f"{k} {1000 * v:.1f}"
+                         for k, v in (s[7] if len(s) > 7 else {}).items())]) for s in worst))
     for path in sorted(folder.glob("profile.*.txt")):
         lines.append(f"  - host profile of the engine's steps ({path.name}):\n" + path.read_text())
     return "\n".join(lines) or "  - no trace written"

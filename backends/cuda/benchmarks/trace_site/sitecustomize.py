@@ -7,7 +7,12 @@ made, and where its time went (the scheduler, queuing the step on the device, re
 previous step's tokens, and within that the wait for the device), and the CPU the step's
 thread and the whole process used meanwhile with the thread's involuntary context switches
 (a thread that used far less CPU than its wall time, without waiting for the device, was
-descheduled or waited for the GIL); and every Triton
+descheduled or waited for the GIL; but a launch that waits for room in the device's queue
+spins, so busy CPU does not by itself mean host-bound), and how far the device lagged behind
+the host when the step began and when it had queued its work (CUDA events timed against one
+reference event taken with the device idle: a lag that grows through a step means the device
+was the slower side, one near zero at its end that the device waited for the host); and every
+Triton
 compilation (a kernel's first launch with a new specialisation) with its time. Written to
 DIR/trace.<pid>.jsonl, appended every half second by a thread (processes may end by a signal)."""
 
@@ -23,18 +28,26 @@ _DIR = os.environ.get("FD_TRACE_DIR")
 _start = {}
 _gc: list = []  # (start, seconds, generation) after the freeze
 _steps: list = []  # (start, seconds, tokens, sequences)
+_devices: list = []  # (start, lag at its start, lag at its end) of steps, seconds, once completed
+_pending: list = []  # (start, host time at each record, the events) not yet completed
+_reference: list = []  # an event completed with the device idle, and the host's time then
 
 
 def _writer() -> None:
     # appends only what is new, as JSON lines: rewriting the whole trace held the GIL for ever
     # longer, which is the kind of gap this traces
     path = os.path.join(_DIR, f"trace.{os.getpid()}.jsonl")
-    done = {"gc": 0, "steps": 0, "compiles": 0}
+    done = {"gc": 0, "steps": 0, "compiles": 0, "devices": 0}
     with open(path, "a") as f:
         f.write(json.dumps({"argv": sys.argv[:3]}) + "\n")
         while True:
             time.sleep(0.5)
-            for kind, rows in (("gc", _gc), ("steps", _steps), ("compiles", _compiles)):
+            while _pending and _pending[0][4].query():  # the events complete in order
+                began, at_start, at_end, start, end = _pending.pop(0)
+                ref, ref_host = _reference
+                _devices.append((began, ref.elapsed_time(start) / 1000 + ref_host - at_start,
+                                 ref.elapsed_time(end) / 1000 + ref_host - at_end))
+            for kind, rows in (("gc", _gc), ("steps", _steps), ("compiles", _compiles), ("devices", _devices)):
                 new = rows[done[kind]:]
                 done[kind] += len(new)
                 for row in new:
@@ -122,7 +135,7 @@ def _wrap_core() -> None:
 
     # FD_TRACE_PROFILE=1: cProfile the steps that begin with prompts waiting (the ones that
     # admit new prompts: prefill and mixed steps), their statistics written to
-    # DIR/profile.<pid>.txt every 100 such steps
+    # DIR/profile.<pid>.txt every 25 such steps
     threshold = os.environ.get("FD_TRACE_PROFILE") == "1"
     profiler = None
     if threshold:
@@ -145,7 +158,7 @@ def _wrap_core() -> None:
             finally:
                 profiler.disable()
                 profiled[0] += 1
-                if profiled[0] % 100 == 0:
+                if profiled[0] % 25 == 0:
                     dump()
         return timed_step(self)
 
@@ -155,8 +168,24 @@ def _wrap_core() -> None:
         phases.clear()
         before = allocator()
         usage, process = resource.getrusage(resource.RUSAGE_THREAD), time.process_time()
+        torch = sys.modules.get("torch")
+        events = None
+        if torch is not None and torch.cuda.is_initialized():
+            if not _reference:
+                ref = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                ref.record()
+                ref.synchronize()
+                _reference.extend((ref, time.perf_counter()))
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            at_start = time.perf_counter()
+            events[0].record()
         result = step(self)
         seconds = time.perf_counter() - began
+        if events is not None:
+            at_end = time.perf_counter()
+            events[1].record()
+            _pending.append((began, at_start, at_end, *events))
         now = resource.getrusage(resource.RUSAGE_THREAD)
         phases["cpu"] = now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime
         phases["process_cpu"] = time.process_time() - process
