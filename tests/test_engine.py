@@ -110,6 +110,41 @@ def test_catching_up_on_unread_tokens_equals_token_by_token(model_dir):
     assert [streamed[str(i)] for i in range(3)] == texts
 
 
+def test_a_stream_of_bytes_that_never_completes_a_character_costs_constant_decodes(model_dir):
+    """A degenerate model's output of bytes that form no character (here 0xFF, never valid
+    UTF-8) renders nothing new step after step; catching up each step decodes the newest
+    prefix only, not every pending one again, and the text is that of decoding token by
+    token. A character split over tokens after it still comes out whole."""
+    llm = LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    junk = tok.backend.token_to_id("ÿ")  # the byte-level alphabet's 0xFF
+    assert tok.decode([junk]) == "\ufffd"
+    tail = tok.encode(" 🎉 ok", add_special_tokens=False)
+    ids = [junk] * 200 + tail
+    calls = []
+    decode = tok.decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return decode(*args, **kwargs)
+
+    state = detokenizer.TextState([5, 6], SamplingParams())
+    stepwise = detokenizer.TextState([5, 6], SamplingParams())
+    most = 0
+    for t in ids:
+        state.output_token_ids.append(t)
+        tok.decode = counted
+        calls.clear()
+        detokenizer.catch_up(tok, state)
+        tok.decode = decode
+        most = max(most, len(calls))
+        stepwise.output_token_ids.append(t)
+        detokenizer.append_text(tok, stepwise)
+    assert most <= 4  # two for the whole, two more at most where the tail ends a character
+    assert state.text == stepwise.text and state.text.endswith("🎉 ok")
+    assert state.read_offset == stepwise.read_offset == len(ids) + 2
+
+
 def test_memory_profiling_step_and_kv_budget(model_dir, monkeypatch):
     """The profiling step behind --gpu-memory-utilization, run through the shared runner on the
     CPU with the device's numbers faked: it runs the forward and the sampler once on its own

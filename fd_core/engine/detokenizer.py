@@ -27,12 +27,15 @@ class TextState:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    # every prefix of up to this many tokens past read_offset renders nothing new (under the
+    # same offsets): catch_up need not decode them again
+    checked: int = 0
 
     def __post_init__(self) -> None:
         # the prompt text is never part of the output: start decoding just past it
         n = len(self.prompt_token_ids)
         self.prefix_offset = max(0, n - _CONTEXT)
-        self.read_offset = n
+        self.read_offset = self.checked = n
 
     @property
     def num_tokens(self) -> int:
@@ -54,10 +57,12 @@ def append_text(tokenizer: Tokenizer, state: TextState) -> str:
     before = tokenizer.decode(window[: state.read_offset - state.prefix_offset], skip_special_tokens=skip)
     after = tokenizer.decode(window, skip_special_tokens=skip)
     if after.endswith("\ufffd") or len(after) <= len(before):
+        if num_tokens == state.checked + 1:
+            state.checked = num_tokens
         return ""  # an incomplete character, or a token that renders as nothing yet
     new = after[len(before) :]
     state.prefix_offset = max(state.read_offset, num_tokens - _CONTEXT)
-    state.read_offset = num_tokens
+    state.read_offset = state.checked = num_tokens
     state.text += new
     return new
 
@@ -65,7 +70,9 @@ def append_text(tokenizer: Tokenizer, state: TextState) -> str:
 def catch_up(tokenizer: Tokenizer, state: TextState) -> str:
     """Decode every token not read yet into ``state.text``, as ``append_text`` after each one
     would have; returns the text added. At once where they end on a whole character (the
-    usual case), else token by token."""
+    usual case), else token by token, past the prefixes already known to render nothing (a
+    stream of bytes that never completes a character, a degenerate model's, would otherwise
+    decode every pending prefix again at every step)."""
     if tokenizer is None:  # skip_tokenizer_init: outputs are token ids alone
         return ""
     unread = state.num_tokens - state.read_offset
@@ -78,7 +85,8 @@ def catch_up(tokenizer: Tokenizer, state: TextState) -> str:
         del tokens[len(tokens) - unread:]
         for token in rest:
             tokens.append(token)
-            append_text(tokenizer, state)
+            if state.num_tokens > state.checked:
+                append_text(tokenizer, state)
     return state.text[start:]
 
 
