@@ -7,8 +7,9 @@ drafts) replays a graph of ``q = 1 + k`` rows a sequence, captured per bucket to
 with fewer tokens is padded inside the graph (rows that write nothing and that nothing reads),
 so a step replays whatever drafts the scheduler let each sequence verify; the engine pads
 drafts to k all the same (``uniform_drafts``), since a filler costs nothing there and may hold.
-The graph was captured with fixed input buffers; a replay first writes the step into them: token ids and positions (device to device: the runner
-has uploaded them), and the attention metadata in two host-to-device copies. The ``B - S``
+The graph was captured with fixed input buffers; a replay first writes the step into them:
+token ids and positions (device to device: the runner has uploaded them), and the attention
+metadata in two host-to-device copies. The ``B - S``
 padding rows are inert: sequence length 0 (their attention reads nothing and writes zeros) and
 cache slot -1 (their keys and values are not stored), the rule ``attention.py`` documents.
 
@@ -37,6 +38,7 @@ from fd_core.interfaces import AttentionMetadata, RunnerLimits
 from fd_core.phases import phase
 from fd_core.runtimes.torch.ops import upload
 
+from fd_backend_cuda.kernels._common import sm_count
 from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, static_step_tensors
 
 
@@ -197,7 +199,7 @@ class GraphedForward:
         sequence owns, and write nothing (slot -1)."""
         limits = self.limits
         num_kv_heads = kv_caches[0][0].shape[1]
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         steps = 0
         # (tokens a sequence, keys): 8192 keys are enough for the most splits
         ranges = [(1, 8192 + 1), (32, 8192 + 32), (32, SPLIT_MASK_KEYS - 1)]

@@ -144,8 +144,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     31.5 against 36 us on an H200); at one or two the kernel was ahead on every shape measured
     (ERNIE-4.5-0.3B's o projection: 3.0 against 12.7 us)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if (isinstance(weight, torch.Tensor) and _gemv.supports(x2, weight)
-            and (x2.shape[0] <= 2 or weight.shape[1] <= 8192)):
+    rows = x2.shape[0]  # checked first: most calls (prefill steps) end there
+    if (rows <= _gemv.MAX_ROWS and (rows <= 2 or weight.shape[1] <= 8192) and isinstance(weight, torch.Tensor)
+            and _gemv.supports(x2, weight)):
         return _gemv.gemv(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return _torch_linear(x, weight, bias)
 

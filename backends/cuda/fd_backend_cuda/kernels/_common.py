@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -19,6 +21,19 @@ _TL_DTYPES = {
 def interpreting() -> bool:
     """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return bool(triton.knobs.runtime.interpret)
+
+
+def sm_count(device: torch.device, otherwise: int = 1) -> int:
+    """The multiprocessors of a CUDA device (asked once per device); ``otherwise`` for a CPU
+    tensor's (Triton's interpreter), where launch plans only need a plausible figure."""
+    if device.type != "cuda":
+        return otherwise
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def next_pow2(n: int) -> int:

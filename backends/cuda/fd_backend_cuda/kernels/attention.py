@@ -63,7 +63,7 @@ import triton.language as tl
 from fd_core.quantization.kv_cache import KV_QUANTIZED, STORAGE_FORMAT
 from fd_core.runtimes.torch import ops as torch_ops
 
-from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2
+from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -487,12 +487,6 @@ def static_step_tensors(meta, device: torch.device, max_blocks: int) -> tuple[St
     return found, packed
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # interpreter: split only when asked
-
-
 def _choose_splits(programs: int, max_keys: int, num_sms: int) -> int:
     if programs >= num_sms or max_keys < 2 * MIN_SPLIT_KEYS:
         return 1
@@ -563,7 +557,7 @@ def plan_launches(
     seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
     small, big = _tiles(group, head_dim, wide)
     small_q = small["block_m"] // group
-    num_sms = _num_sms(device)
+    num_sms = sm_count(device)  # 1 in the interpreter: split only when asked
     launches = []
     for tile, seqs, prefill in (
         (small, np.flatnonzero((qlens >= 1) & (qlens <= small_q)), False),

@@ -30,14 +30,13 @@ config=...)`` overrides it.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2
+from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2, sm_count
 
 MAX_ROWS = 4
 
@@ -145,11 +144,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, 
              mask=(rn < N)[:, None] & m_ok[None, :])
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _step(k: int, cap: int) -> int:
     """K per step: the largest power of two up to ``cap`` (at least 256) that divides K, so that
     steps need no masks; ``cap`` (bounded by K) where none does."""
@@ -204,9 +198,7 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if n == 0:
         return y
     if config is None:
-        sms = _sm_count(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) \
-            if x2.is_cuda else 132
-        config = choose_config(m, n, k, sms, x2.dtype != torch.float32)
+        config = choose_config(m, n, k, sm_count(x2.device, otherwise=132), x2.dtype != torch.float32)
     if bias is not None:
         bias = bias.contiguous()
     grid = (triton.cdiv(n, config.block_n),)

@@ -32,6 +32,7 @@ import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 
 from fd_backend_cuda.kernels import int4_gemv
+from fd_backend_cuda.kernels._common import sm_count
 
 METHODS = ("wint8", "wint4", "block_wise_fp8")
 _CODES = {"cuda_w8": 0, "cuda_w4": 1, "cuda_fp8": 2}
@@ -346,16 +347,6 @@ def _config(m: int, n: int, k: int, step: int, sms: int, int4: bool) -> Config:
     return 16, block_n, block_k, split, 4, 3
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index or 0
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
            config: Config | None = None) -> torch.Tensor:
     """``config`` overrides the tile choice (the tile sweep in benchmarks/)."""
@@ -378,7 +369,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         return x.new_empty((*shape[:-1], out_features))
     step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
     if config is None and kind == 1 and int4_gemv.supports(x2, weight, step // 2):
-        y = int4_gemv.int4_gemv(x2, weight, step // 2, _sms(x.device))
+        y = int4_gemv.int4_gemv(x2, weight, step // 2, sm_count(x.device))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*shape[:-1], out_features)
@@ -393,7 +384,7 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         y = torch.nn.functional.linear(dot_x, dense, None if bias is None else bias.to(dot_x.dtype))
         return y.to(x.dtype).reshape(*shape[:-1], out_features)
     block_m, block_n, block_k, split, warps, stages = config or _config(m, out_features, in_features, step,
-                                                                         _sms(x.device), kind == 1)
+                                                                         sm_count(x.device), kind == 1)
     if kind == 1:
         block_k = step  # the int4 layout's chunk: the kernel reads the weight in exactly these
     k_split = triton.cdiv(triton.cdiv(in_features, split), block_k) * block_k
