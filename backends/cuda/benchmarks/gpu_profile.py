@@ -1,22 +1,31 @@
 """GPU kernel time of ``e2e.py``'s loads, by kernel, from ``torch.profiler``.
 
-    python backends/cuda/benchmarks/gpu_profile.py [--load throughput|batch1] [--trace FILE]
+    python backends/cuda/benchmarks/gpu_profile.py [--load throughput|batch1|mixed] [--batch N] [--trace FILE]
 
 ``throughput`` (the default): 128 × 1024-token prompts, bfloat16, once for the prefill alone
 (``max_tokens=1``) and once for the whole load (128 tokens), so decode's share is the
 difference. The sum of kernel times is the floor the host's work per step is measured against.
 
 ``batch1``: one 128-token prompt decoding 128 tokens as ``e2e.py`` times it (CUDA graphs,
-asynchronous scheduling). Host and GPU are both recorded; it prints, per decode step, the wall
-time, the time the GPU was busy (the union of its kernels' intervals), the kernels launched,
-and the host's operations by their own time, so a step's idle GPU time is split between what
-the host did and what the GPU did. ``--trace`` writes the timeline (Chrome's trace format).
+asynchronous scheduling); ``--batch N``: N such prompts decoding together. Host and GPU are both
+recorded; it prints, per decode step, the wall time, the time the GPU was busy (the union of its
+kernels' intervals), the kernels launched, the host's operations by their own time, and a
+cProfile of the steps' Python, so a step's idle GPU time is split between what the host did and
+what the GPU did. ``--trace`` writes the timeline (Chrome's trace format).
+
+``mixed``: 64 sequences decoding while new 256-token prompts arrive (2, then 8, each round), so
+the engine runs mixed prefill+decode steps between decode steps: the wall time of the steps
+that admit prompts against the others, the GPU's busy time and the kernels over the rounds,
+the host's operations by their own time, and a cProfile of the mixed steps' Python (``--trace``
+writes the timeline here too).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -56,27 +65,36 @@ def throughput(llm: LLM) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
-def batch1(llm: LLM, trace: Path | None) -> None:
+def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
     engine = llm.engine
-    prompt = e2e.prompts(1, 128, 1)[0]
+    prompts = e2e.prompts(batch, 128, 1)
     params = SamplingParams(temperature=0, max_tokens=129, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # untimed: graphs, kernels
-    for attempt, activities in enumerate((None, [ProfilerActivity.CPU, ProfilerActivity.CUDA])):
+    llm.generate(prompts, params, use_tqdm=False)  # untimed: graphs, kernels
+    for attempt, activities in enumerate((None, "python", [ProfilerActivity.CPU, ProfilerActivity.CUDA])):
         llm.reset_prefix_cache()
-        engine.add_request(f"b1-{attempt}", prompt, params)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b1-{attempt}-{i}", prompt, params)
         engine.step()  # the prefill, outside the figures
+        python = cProfile.Profile() if activities == "python" else None
         # (an empty activity list is not "no profiling": torch then records its defaults)
-        with profile(activities=activities) if activities else contextlib.nullcontext() as prof:
-            start, steps = time.perf_counter(), 0
+        with (profile(activities=activities) if isinstance(activities, list) else python
+              or contextlib.nullcontext()) as prof:
+            start = time.perf_counter()
             while engine.has_unfinished_requests():
-                steps += bool(engine.step())
+                engine.step(final_only=True)  # as LLM.generate: text decoded once, at the end
             wall = (time.perf_counter() - start) * 1e6
-        if not activities:
-            print(f"==== batch 1, unprofiled: {wall / steps:.1f} µs per decode step over {steps} steps")
+        steps = params.max_tokens - 1  # the decode steps: the prefill made each sequence's first token
+        if activities is None:
+            print(f"==== batch {batch}, unprofiled: {wall / steps:.1f} µs per decode step over {steps} steps")
+            continue
+        if python is not None:
+            print(f"---- cProfile of the {steps} decode steps' Python (by own time; {wall / steps:.0f} µs a step "
+                  "with cProfile's overhead)")
+            pstats.Stats(python).sort_stats("tottime").print_stats(30)
             continue
         events = prof.events()
         busy, kernels = busy_us(events)
-        print(f"==== batch 1, profiled: {steps} decode steps, {wall / steps:.1f} µs wall a step, GPU busy "
+        print(f"==== batch {batch}, profiled: {steps} decode steps, {wall / steps:.1f} µs wall a step, GPU busy "
               f"{busy / steps:.1f} µs a step ({busy / wall:.0%}), {kernels / steps:.1f} kernels a step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
@@ -84,15 +102,74 @@ def batch1(llm: LLM, trace: Path | None) -> None:
             prof.export_chrome_trace(str(trace))
 
 
+def mixed(llm: LLM, trace: Path | None) -> None:
+    engine = llm.engine
+    core = engine.core
+    running = e2e.prompts(64, 256, 3)
+    arriving = e2e.prompts(400, 256, 4)
+    decode = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def rounds(count: int, per_round: int, tag: str, profiler=None, prof=None) -> dict[str, list[float]]:
+        walls: dict[str, list[float]] = {"mixed": [], "decode": []}
+        for i, prompt in enumerate(running):
+            engine.add_request(f"{tag}-run-{i}", prompt, decode)
+        while core.scheduler.waiting:
+            engine.step()
+        for r in range(count):
+            for j in range(per_round):
+                engine.add_request(f"{tag}-{r}-{j}", arriving[(r * per_round + j) % len(arriving)], short)
+            for _ in range(4):
+                kind = "mixed" if core.scheduler.waiting else "decode"
+                if kind == "mixed" and profiler is not None:
+                    profiler.enable()
+                start = time.perf_counter()
+                engine.step()
+                walls[kind].append((time.perf_counter() - start) * 1e3)
+                if kind == "mixed" and profiler is not None:
+                    profiler.disable()
+                if prof is not None:
+                    prof.step()
+        for i in range(len(running)):
+            engine.abort_request(f"{tag}-run-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        llm.reset_prefix_cache()
+        return walls
+
+    for per_round in (2, 8):
+        rounds(3, per_round, f"warm{per_round}")  # untimed: compile, capture
+        walls = rounds(20, per_round, f"t{per_round}")
+        profiler = cProfile.Profile()
+        rounds(20, per_round, f"p{per_round}", profiler=profiler)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rounds(10, per_round, f"g{per_round}")
+        busy, kernels = busy_us(prof.events())
+        m, d = sorted(walls["mixed"]), sorted(walls["decode"])
+        print(f"==== 64 decoding, {per_round} x 256-token prompts arriving a round: {len(m)} mixed steps, "
+              f"wall median {m[len(m) // 2]:.2f} ms, max {m[-1]:.2f} ms; {len(d)} other steps, median "
+              f"{d[len(d) // 2]:.2f} ms; profiled rounds: GPU busy {busy / 1e3:.1f} ms, {kernels} kernels")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        stats = pstats.Stats(profiler)
+        print(f"---- cProfile of the {len(m)} mixed steps' Python (by own time)")
+        stats.sort_stats("tottime").print_stats(30)
+        if trace:
+            prof.export_chrome_trace(str(trace.with_suffix(f".mixed{per_round}.json")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--load", choices=("throughput", "batch1"), default="throughput")
-    ap.add_argument("--trace", type=Path, default=None, help="batch1: write the timeline here")
+    ap.add_argument("--load", choices=("throughput", "batch1", "mixed"), default="throughput")
+    ap.add_argument("--batch", type=int, default=1, help="batch1: this many prompts decoding together")
+    ap.add_argument("--trace", type=Path, default=None, help="batch1, mixed: write the timeline here")
     args = ap.parse_args()
     llm = LLM(model=str(e2e.build_model(Path("/tmp/fd-ernie-0.3b"))), device="cuda", dtype="bfloat16",
               max_model_len=1300, max_num_seqs=128)
     if args.load == "batch1":
-        batch1(llm, args.trace)
+        batch1(llm, args.trace, args.batch)
+    elif args.load == "mixed":
+        mixed(llm, args.trace)
     else:
         throughput(llm)
 

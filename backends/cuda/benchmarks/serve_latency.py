@@ -73,14 +73,20 @@ def cpu_times() -> tuple[int, int]:
 
 def run_variant(model: Path, flags: str, args) -> None:
     port = free_port()
+    words = shlex.split(flags)
+    # leading NAME=value words are the server's environment (e.g. FD_CUDA_MIXED_GRAPH_TOKENS=0)
+    settings = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        settings[name] = value
     cmd = [sys.executable, "-m", "fd_core.entrypoints.cli", "serve", "--model", str(model), "--device", args.device,
            "--max-num-seqs", str(args.clients), "--max-model-len", "4096",
-           "--port", str(port), "--dtype", "bfloat16" if args.device == "cuda" else "float32", *shlex.split(flags)]
+           "--port", str(port), "--dtype", "bfloat16" if args.device == "cuda" else "float32", *words]
     log = Path(tempfile.mkstemp(suffix=".log")[1])
-    env = None
+    env = settings or None
     if args.trace:
         traces = Path(tempfile.mkdtemp(prefix="fd-trace-"))
-        env = {"FD_TRACE_DIR": str(traces), "FD_TRACE_PROFILE": "1" if args.profile_steps else "",
+        env = {**settings, "FD_TRACE_DIR": str(traces), "FD_TRACE_PROFILE": "1" if args.profile_steps else "",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(TRACE_SITE), os.environ.get("PYTHONPATH")]))}
     server = start(cmd, str(log), env=env)
     try:
@@ -193,7 +199,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--clients", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4096, help="requests in the measured run")
-    ap.add_argument("--variant", action="append", default=None, help="extra fd serve flags (repeatable)")
+    ap.add_argument("--variant", action="append", default=None, help="extra fd serve flags (repeatable), after any NAME=value settings of its "
+                    "environment")
     ap.add_argument("--trace", action="store_true",
                     help="record the engine core's steps and every server process's garbage collections "
                          "(trace_site/sitecustomize.py) and summarise them under each row")

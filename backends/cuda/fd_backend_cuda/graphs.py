@@ -17,11 +17,20 @@ Where the runner attaches the model's head (``attach_head``), each decode graph 
 the logits of every row after the forward (``with_head``), so a decode step's LM head is part of
 the replay.
 
-Every other step — prefill chunks, mixed batches, more sequences than the largest bucket — runs
-eagerly through the same ops. Every bucket is captured at start-up, once the KV cache exists
-(``warm_up``), each after one eager run of the bucket (Triton compiles, launch plans and
-split-K scratch are made then), into one memory pool shared by all buckets: only one graph runs
-at a time, and its output is consumed before the next replay.
+Every other step — prefill chunks alone or beside decodes — replays a *mixed* graph captured
+for the smallest token bucket ``T`` that holds it (``mixed_capture_sizes``: 64 to 8192 tokens,
+``FD_CUDA_MIXED_GRAPH_TOKENS`` the largest, 0 for none) and ``max_num_seqs`` sequences: its
+attention plan is ``attention.MixedPlan``, fixed launches over as many work items as such a step
+can have, whose unused items and rows are inert. Eagerly, a mixed step's ~250 launches cost the
+host 12-17 ms (H200 host, ERNIE-4.5-0.3B shape, 64 decodes beside 2-8 prompts of 256 tokens:
+``gpu_profile.py --load mixed``), many times the GPU's work, and every running stream waited
+that long for its next token. Only steps with more tokens than the largest bucket, and the
+runner's ``eager`` steps, run eagerly through the same ops.
+
+Every graph is captured at start-up, once the KV cache exists (``warm_up``), each after one
+eager run of its shape (Triton compiles, launch plans and split-K scratch are made then), into
+one memory pool shared by all: only one graph runs at a time, and its output is consumed before
+the next replay.
 
 The split-K factor of a bucket's attention is fixed at capture for the longest sequence the
 engine allows (``max_model_len``); a shorter sequence leaves some splits empty, which the
@@ -30,16 +39,20 @@ combine step ignores.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from fd_core.errors import ConfigError
 from fd_core.interfaces import AttentionMetadata, RunnerLimits
 from fd_core.phases import phase
 from fd_core.runtimes.torch.ops import upload
 
 from fd_backend_cuda.kernels._common import sm_count
-from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, static_step_tensors
+from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, MixedPlan, static_step_tensors
+
+MIXED_GRAPH_TOKENS = 8192  # the largest mixed bucket by default (FD_CUDA_MIXED_GRAPH_TOKENS)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -47,6 +60,75 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     (as in vLLM, padding a batch costs at most ~12% of its rows), and max_num_seqs itself."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 1, 16))
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
+
+
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts of mixed steps that get a graph: 64, 128, 256, then alternately x1.5 and
+    x4/3 (384, 512, 768, 1024, 1536, ...: past 256 tokens, padding is at most a third of a
+    bucket's rows), up to ``max_tokens``, which is included. 13 graphs up to 8,192."""
+    sizes, size = [], 64
+    while size < max_tokens:
+        sizes.append(size)
+        size = size * 2 if size < 256 else (size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3)
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
+def mixed_graph_tokens(limits: RunnerLimits) -> int:
+    """The largest mixed bucket: ``FD_CUDA_MIXED_GRAPH_TOKENS`` (0 turns mixed graphs off), else
+    ``MIXED_GRAPH_TOKENS``, never above the step budget."""
+    raw = os.environ.get("FD_CUDA_MIXED_GRAPH_TOKENS", "").strip()
+    try:
+        cap = int(raw) if raw else MIXED_GRAPH_TOKENS
+    except ValueError:
+        raise ConfigError(f"FD_CUDA_MIXED_GRAPH_TOKENS must be a whole number of tokens, got {raw!r}") from None
+    if cap < 0:
+        raise ConfigError(f"FD_CUDA_MIXED_GRAPH_TOKENS must be 0 (off) or more, got {cap}")
+    return min(cap, limits.max_num_batched_tokens)
+
+
+class _MixedGraph:
+    """One mixed bucket: any step of at most ``tokens`` tokens and ``max_num_seqs`` sequences,
+    its rows padded to ``tokens``. The padding rows compute values nothing reads."""
+
+    def __init__(self, tokens: int, limits: RunnerLimits, device: torch.device) -> None:
+        s = limits.max_num_seqs
+        self.tokens = tokens
+        # warm-up and capture: every sequence empty, every slot -1 (nothing written)
+        self.meta = AttentionMetadata(
+            query_start_loc=np.zeros(s + 1, dtype=np.int64),
+            seq_lens=np.zeros(s, dtype=np.int64),
+            context_lens=np.zeros(s, dtype=np.int64),
+            block_tables=np.zeros((s, 1), dtype=np.int64),
+            slot_mapping=np.full(tokens, -1, dtype=np.int64),
+            block_size=limits.block_size,
+        )
+        self.plan = MixedPlan(self.meta, s, tokens, -(-limits.max_model_len // limits.block_size),
+                              limits.max_model_len, device)
+        upload(self.plan.host, device, into=self.plan.buffer)
+        self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any) -> None:
+        forward(self.ids, self.positions, kv_caches, self.meta)  # warm-up: compile, plan, allocate
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.output = forward(self.ids, self.positions, kv_caches, self.meta)
+        self.graph = graph
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, s = ids.shape[0], meta.num_seqs
+        self.ids[:n].copy_(ids)  # rows past n keep earlier valid ids and positions
+        self.positions[:n].copy_(positions)
+        device = self.ids.device
+        upload(self.plan.fill(meta), device, into=self.plan.buffer)
+        tables = meta.block_tables
+        if tables.ndim == 2 and tables.shape[1]:
+            upload(tables.astype(np.int32), device, into=self.plan.block_tables[:s, : tables.shape[1]])
+        self.graph.replay()
+        return self.output[:n]
 
 
 class _Graph:
@@ -153,6 +235,9 @@ class GraphedForward:
         self.verify_sizes = [s for s in self.sizes if s * (1 + k) <= limits.max_num_batched_tokens] if k else []
         self.uniform_drafts = bool(self.verify_sizes)  # the engine pads drafts to k (API 1.13)
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.mixed_sizes = mixed_capture_sizes(mixed_graph_tokens(limits))
+        self.mixed_graphs: dict[int, _MixedGraph] = {}
+        self.mixed_replays = 0
         self.head: Callable[..., Any] | None = None
         self.pool = None
         self.kv_caches: list | None = None
@@ -166,6 +251,12 @@ class GraphedForward:
         self.head = head
         self.graphs.clear()
 
+    def mixed_bucket(self, num_tokens: int) -> int | None:
+        for size in self.mixed_sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
     def bucket(self, num_seqs: int, q: int = 1) -> int | None:
         for size in self.sizes if q == 1 else self.verify_sizes:
             if size >= num_seqs:
@@ -176,6 +267,11 @@ class GraphedForward:
         """Capture every bucket now that the KV cache exists, largest first (the pool then
         holds the largest activations once, and smaller graphs reuse that memory)."""
         device = torch.device(device)  # the attention op keys its metadata by q.device
+        if self.mixed_sizes:  # the largest activations first (see above)
+            with phase(f"capturing CUDA graphs for {len(self.mixed_sizes)} mixed-step token counts") as step:
+                for size in sorted(self.mixed_sizes, reverse=True):
+                    self._mixed_graph(size, kv_caches, device)
+                step.detail = f"steps of up to {', '.join(map(str, self.mixed_sizes))} tokens"
         # the engine's start-up phases: a line each as they start and end, with the duration
         with phase(f"capturing CUDA graphs for {len(self.sizes)} decode batch sizes") as step:
             for size in sorted(self.sizes, reverse=True):
@@ -222,14 +318,27 @@ class GraphedForward:
         torch.cuda.synchronize()
         return steps
 
-    def _graph(self, size: int, kv_caches: list, device: torch.device, q: int = 1) -> _Graph:
+    def _stale(self, kv_caches: list) -> None:
         if kv_caches is not self.kv_caches:  # a new KV cache: graphs captured on the old are stale
             self.graphs.clear()
+            self.mixed_graphs.clear()
             self.kv_caches = kv_caches
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def _mixed_graph(self, size: int, kv_caches: list, device: torch.device) -> _MixedGraph:
+        self._stale(kv_caches)
+        graph = self.mixed_graphs.get(size)
+        if graph is None:
+            graph = _MixedGraph(size, self.limits, device)
+            graph.capture(self.forward, kv_caches, self.pool)
+            self.mixed_graphs[size] = graph
+        return graph
+
+    def _graph(self, size: int, kv_caches: list, device: torch.device, q: int = 1) -> _Graph:
+        self._stale(kv_caches)
         graph = self.graphs.get((size, q))
         if graph is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
             graph = _Graph(size, self.limits, device, q)
             graph.capture(self.forward, kv_caches, self.pool, self.head if q == 1 else None)
             self.graphs[(size, q)] = graph
@@ -265,7 +374,11 @@ class GraphedForward:
         q = self._shape(ids.shape[0], meta) if ids.device.type == "cuda" else None
         size = None if q is None else self.bucket(meta.num_seqs, q)
         if size is None:
-            return self.forward(ids, positions, kv_caches, meta)  # a prefill or mixed step: eager
+            mixed = self.mixed_bucket(ids.shape[0]) if ids.device.type == "cuda" else None
+            if mixed is None:
+                return self.forward(ids, positions, kv_caches, meta)  # more tokens than any bucket: eager
+            self.mixed_replays += 1
+            return self._mixed_graph(mixed, kv_caches, ids.device).replay(ids, positions, meta)
         self.replays += 1
         self.verify_replays += q > 1
         return self._graph(size, kv_caches, ids.device, q).replay(ids, positions, meta)

@@ -3,6 +3,8 @@ stay inert, and --gpu-memory-utilization sizes the KV cache from what is left.""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -11,12 +13,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_scheduling: bool = True,
-              kv_cache_dtype: str = "auto"):
+              kv_cache_dtype: str = "auto", budget: int | None = None):
     from fd_core import LLM, SamplingParams
 
     llm = LLM(model=str(path), device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=40,
               enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
-              async_scheduling=None if async_scheduling else False, kv_cache_dtype=kv_cache_dtype)
+              async_scheduling=None if async_scheduling else False, kv_cache_dtype=kv_cache_dtype,
+              max_num_batched_tokens=budget)
     assert llm.engine.core.async_scheduling == async_scheduling  # on by default on cuda
     rng = np.random.default_rng(1)
     results = []
@@ -28,6 +31,9 @@ def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_sc
     forward = llm.engine.core.executor.runner.forward
     captured = sorted(size for size, q in getattr(forward, "graphs", {}) if q == 1)  # the decode buckets
     assert getattr(forward, "replays", 0) > 0 or enforce_eager
+    # the prefills (alone, or beside decodes) replay mixed graphs unless those are off
+    mixed_on = not enforce_eager and os.environ.get("FD_CUDA_MIXED_GRAPH_TOKENS") != "0"
+    assert (getattr(forward, "mixed_replays", 0) > 0) == mixed_on
     llm.engine.core.shutdown()
     return results, captured
 
@@ -41,6 +47,17 @@ def test_graph_replays_give_the_eager_tokens(llama):
     assert none == []  # --enforce-eager captures nothing
     assert captured == [1, 2, 4, 8, 16, 24, 32, 40]  # every bucket, at start-up
     assert graphed == eager
+
+
+def test_mixed_graphs_give_the_eager_mixed_steps_tokens(llama, monkeypatch):
+    """Float32, a 96-token step budget, so prompts are prefilled in chunks over their cached
+    start while others decode: steps replayed from mixed graphs (padded rows and work items)
+    give the tokens of the same steps run eagerly."""
+    counts = [5, 17, 40]
+    graphed, _ = _generate(llama, False, "float32", counts, budget=96)
+    monkeypatch.setenv("FD_CUDA_MIXED_GRAPH_TOKENS", "0")
+    eager_mixed, _ = _generate(llama, False, "float32", counts, budget=96)
+    assert graphed == eager_mixed
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])

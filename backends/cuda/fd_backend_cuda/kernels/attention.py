@@ -533,6 +533,24 @@ def _tiles(group: int, head_dim: int, wide: bool) -> tuple[dict, dict]:
     return small, big
 
 
+def _items(qlens: np.ndarray, ctx: np.ndarray, seq_lens: np.ndarray, seqs: np.ndarray,
+           block_q: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The work items of ``seqs`` (their query blocks of ``block_q`` tokens): each item's
+    sequence, first token and key count, the longest key range first."""
+    blocks = (qlens[seqs] + block_q - 1) // block_q
+    item_seq = np.repeat(seqs, blocks)
+    first = np.repeat(np.cumsum(blocks) - blocks, blocks)
+    item_tok = (np.arange(len(item_seq)) - first) * block_q
+    keys = np.minimum(ctx[item_seq] + np.minimum(item_tok + block_q, qlens[item_seq]), seq_lens[item_seq])
+    order = np.argsort(-keys, kind="stable")
+    return item_seq[order], item_tok[order], keys[order]
+
+
+def _classes(qlens: np.ndarray, small_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences of the short-query launch and of the prefill launch."""
+    return np.flatnonzero((qlens >= 1) & (qlens <= small_q)), np.flatnonzero(qlens > small_q)
+
+
 def plan_launches(
     meta,
     num_kv_heads: int,
@@ -542,7 +560,8 @@ def plan_launches(
     num_splits: int | None = None,
     wide: bool = False,
 ) -> list[Launch]:
-    """The launches of one step for this (Hk, G, D), built once and kept in ``meta.device``.
+    """The launches of one step for this (Hk, G, D), built once and kept in ``meta.device``
+    (a captured mixed step's: ``MixedPlan``'s fixed launches).
 
     ``num_splits`` forces the split-K factor of every launch (tests); None chooses it.
     ``wide``: the dot operands are float32 (smaller tiles).
@@ -551,29 +570,21 @@ def plan_launches(
     found = meta.device.get(key)
     if found is not None:
         return found
+    small, big = _tiles(group, head_dim, wide)
+    num_sms = sm_count(device)  # 1 in the interpreter: split only when asked
+    static = meta.device.get(f"cuda.mixed@{device}")
+    if static is not None:
+        found = meta.device[key] = static.launches(key, num_kv_heads, group, small, big, num_sms, num_splits)
+        return found
     qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
     qlens = np.diff(qsl)
     ctx = np.asarray(meta.context_lens, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
-    small, big = _tiles(group, head_dim, wide)
-    small_q = small["block_m"] // group
-    num_sms = sm_count(device)  # 1 in the interpreter: split only when asked
     launches = []
-    for tile, seqs, prefill in (
-        (small, np.flatnonzero((qlens >= 1) & (qlens <= small_q)), False),
-        (big, np.flatnonzero(qlens > small_q), True),
-    ):
+    for tile, seqs, prefill in zip((small, big), _classes(qlens, small["block_m"] // group), (False, True)):
         if len(seqs) == 0:
             continue
-        block_q = tile["block_m"] // group
-        blocks = (qlens[seqs] + block_q - 1) // block_q
-        item_seq = np.repeat(seqs, blocks)
-        first = np.repeat(np.cumsum(blocks) - blocks, blocks)
-        item_tok = (np.arange(len(item_seq)) - first) * block_q
-        keys = np.minimum(ctx[item_seq] + np.minimum(item_tok + block_q, qlens[item_seq]),
-                          seq_lens[item_seq])  # fmt: skip
-        order = np.argsort(-keys, kind="stable")
-        item_seq, item_tok, keys = item_seq[order], item_tok[order], keys[order]
+        item_seq, item_tok, keys = _items(qlens, ctx, seq_lens, seqs, tile["block_m"] // group)
         splits = num_splits or _choose_splits(
             len(item_seq) * num_kv_heads, int(keys.max()), num_sms
         )
@@ -589,6 +600,105 @@ def plan_launches(
         )
     meta.device[key] = launches
     return launches
+
+
+class MixedPlan:
+    """The attention metadata of a captured mixed step: any mix of decodes and prefill chunks,
+    at most ``max_seqs`` sequences and ``max_tokens`` tokens. The captured kernels read fixed
+    device buffers, which ``fill`` rewrites before each replay (one int32 array: query starts,
+    sequence and context lengths, the slot mapping and both launches' work items; the block
+    tables are a ``[max_seqs + 1, max_blocks]`` buffer of their own).
+
+    Both launches always run, over as many work items as any step of the bucket can have.
+    Sequence ``max_seqs`` is padding: no tokens, no keys. The items a step leaves unused point
+    at it, and their programs exit after a few loads; the token rows past the step's are in no
+    sequence and their slots are -1, so nothing reads or stores them. The split-K factor is
+    fixed at capture: the short-query launch's for the longest sequence the engine allows (as
+    in decode graphs), none for the prefill launch, whose items fill the GPU; the prefill launch
+    never takes the unmasked loop of long key ranges (``SPLIT_MASK_KEYS``), a speed trade,
+    not a change of result.
+    """
+
+    def __init__(self, meta, max_seqs: int, max_tokens: int, max_blocks: int, max_model_len: int,
+                 device: torch.device) -> None:
+        self.max_seqs, self.max_tokens, self.max_model_len = max_seqs, max_tokens, max_model_len
+        if device.type == "cuda" and device.index is None:  # the kernels key by q.device: "cuda:0"
+            device = torch.device("cuda", torch.cuda.current_device())
+        s, t = max_seqs, max_tokens
+        # regions of the packed buffer: query starts (S + 2: the padding sequence's end too),
+        # seq_lens, context_lens (S + 1), slots (T), then each launch's items and first tokens
+        # (the short launch: one item a sequence; the prefill launch: at most T + S)
+        sizes = [s + 2, s + 1, s + 1, t, s + 1, s + 1, t + s + 1, t + s + 1]
+        self.host = np.zeros(sum(sizes), dtype=np.int32)
+        self.buffer = torch.zeros(len(self.host), dtype=torch.int32, device=device)
+        offsets = np.cumsum([0] + sizes)
+        self._host_views = [self.host[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        views = [self.buffer[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        self.block_tables = torch.zeros((s + 1, max_blocks), dtype=torch.int32, device=device)
+        meta.device[f"cuda.step@{device}"] = StepTensors(
+            query_start_loc=views[0], seq_lens=views[1], context_lens=views[2],
+            block_tables=self.block_tables, slot_mapping=views[3],
+        )
+        self._item_views = (views[4], views[5]), (views[6], views[7])
+        self._key: str | None = None
+        self._launches: list[tuple[Launch, int, int]] = []  # (launch, BLOCK_Q, class) to refill
+        self.small_q = 0
+        meta.device[f"cuda.mixed@{device}"] = self
+        self.fill(meta)
+
+    def launches(self, key: str, num_kv_heads: int, group: int, small: dict, big: dict, num_sms: int,
+                 num_splits: int | None) -> list[Launch]:
+        if self._key is not None and key != self._key:
+            raise ValueError(f"a captured mixed step holds one attention shape: {self._key}, then {key}")
+        if self._key is None:
+            self._key = key
+            s, t = self.max_seqs, self.max_tokens
+            self.small_q = small["block_m"] // group
+            big_q = big["block_m"] // group
+            # items of the prefill launch: T // big_q blocks, plus one partial block a sequence
+            # (a sequence there has more than small_q tokens)
+            caps = (s + 1, min(t + s + 1, -(-t // big_q) + min(s, t // (self.small_q + 1)) + 1))
+            short_splits = num_splits or _choose_splits(caps[0] * num_kv_heads, self.max_model_len, num_sms)
+            for cls, (tile, cap, splits) in enumerate(zip((small, big), caps, (short_splits, num_splits or 1))):
+                seq_view, tok_view = self._item_views[cls]
+                launch = Launch(item_seq=seq_view[:cap], item_tok=tok_view[:cap], num_items=cap,
+                                num_splits=int(splits), **tile)
+                self._launches.append((launch, tile["block_m"] // group, cls))
+        return [launch for launch, _, _ in self._launches]
+
+    def fill(self, meta) -> np.ndarray:
+        """Write ``meta`` (a step of at most ``max_seqs`` sequences and ``max_tokens`` tokens)
+        into the host copy of the buffer and return it (for one upload into ``buffer``)."""
+        qsl_v, seq_v, ctx_v, slot_v, *_ = self._host_views
+        s, n = meta.num_seqs, len(meta.slot_mapping)
+        if s > self.max_seqs or n > self.max_tokens:
+            raise ValueError(f"a step of {s} sequences and {n} tokens exceeds the captured "
+                             f"{self.max_seqs} and {self.max_tokens}")
+        qsl = np.asarray(meta.query_start_loc, dtype=np.int64)
+        qsl_v[: s + 1] = qsl
+        qsl_v[s + 1 :] = n
+        seq_v[:s] = meta.seq_lens
+        seq_v[s:] = 0
+        ctx_v[:s] = meta.context_lens
+        ctx_v[s:] = 0
+        slot_v[:n] = meta.slot_mapping
+        slot_v[n:] = -1
+        if self._launches:
+            qlens = np.diff(qsl)
+            ctx = np.asarray(meta.context_lens, dtype=np.int64)
+            seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
+            classes = _classes(qlens, self.small_q)
+            for launch, block_q, cls in self._launches:
+                seq_h, tok_h = self._host_views[4 + 2 * cls], self._host_views[5 + 2 * cls]
+                item_seq, item_tok, _ = _items(qlens, ctx, seq_lens, classes[cls], block_q)
+                k = len(item_seq)
+                if k > launch.num_items:  # the bound in ``launches`` rules it out
+                    raise AssertionError(f"{k} work items for a launch captured with {launch.num_items}")
+                seq_h[:k] = item_seq
+                seq_h[k:] = self.max_seqs  # the padding sequence
+                tok_h[:k] = item_tok
+                tok_h[k:] = 0
+        return self.host
 
 
 def write_kv_cache(
@@ -786,4 +896,4 @@ def paged_attention(
     return out
 
 
-__all__ = ["paged_attention", "plan_launches", "static_step_tensors", "step_tensors", "write_kv_cache"]
+__all__ = ["MixedPlan", "paged_attention", "plan_launches", "static_step_tensors", "step_tensors", "write_kv_cache"]

@@ -1,0 +1,124 @@
+"""The attention plan of captured mixed steps (``attention.MixedPlan``): fixed launches over
+padded work items and rows give, for the step's rows, exactly the planned launches' output, and
+touch no cache slot the step does not own. Runs in Triton's interpreter without a GPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any @triton.jit) is imported
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fd_core.interfaces.ops import AttentionMetadata  # noqa: E402
+from fd_core.runtimes.torch.ops import upload  # noqa: E402
+from test_kernels import DEVICE, SCENARIOS, host, make_batch, rand  # noqa: E402
+
+from fd_backend_cuda import graphs  # noqa: E402
+from fd_backend_cuda.kernels.attention import MixedPlan, paged_attention  # noqa: E402
+
+HQ, HK, D, BLOCK = 4, 2, 32, 4
+
+
+def template(max_seqs: int, max_tokens: int, max_blocks: int) -> tuple[AttentionMetadata, MixedPlan]:
+    """As ``graphs._MixedGraph`` builds it: every sequence empty, every slot -1."""
+    meta = AttentionMetadata(
+        query_start_loc=np.zeros(max_seqs + 1, dtype=np.int64),
+        seq_lens=np.zeros(max_seqs, dtype=np.int64),
+        context_lens=np.zeros(max_seqs, dtype=np.int64),
+        block_tables=np.zeros((max_seqs, 1), dtype=np.int64),
+        slot_mapping=np.full(max_tokens, -1, dtype=np.int64),
+        block_size=BLOCK,
+    )
+    plan = MixedPlan(meta, max_seqs, max_tokens, max_blocks, max_blocks * BLOCK, DEVICE)
+    upload(plan.host, DEVICE, into=plan.buffer)
+    return meta, plan
+
+
+def tensors(n: int, tokens: int, num_blocks: int, seed: int):
+    """q, k, v of ``tokens`` rows (the step's first ``n``, then padding) and a cache."""
+    q, k, v = (rand((tokens, h, D), torch.float32, seed + i) for i, h in enumerate((HQ, HK, HK)))
+    caches = tuple(rand((num_blocks * BLOCK, HK, D), torch.float32, seed + 5 + i) for i in range(2))
+    return q, k, v, caches
+
+
+def planned_and_captured(steps, max_seqs: int, max_tokens: int, num_blocks: int = 160, max_blocks: int = 64):
+    """Each step of ``steps`` (a list of (context, new tokens) per sequence) run with its own
+    plan and through one MixedPlan, refilled before each: the two outputs and caches."""
+    meta_t, plan = template(max_seqs, max_tokens, max_blocks)
+    results = []
+    for i, seqs in enumerate(steps):
+        meta = make_batch(seqs, BLOCK, num_blocks, seed=i)
+        n = int(meta.query_start_loc[-1])
+        q, k, v, caches = tensors(n, max_tokens, num_blocks, seed=10 * i)
+        mine = tuple(c.clone() for c in caches)
+        want = paged_attention(q[:n], k[:n], v[:n], caches, meta, D**-0.5)
+        if i == 0:  # the warm-up run of capture: writes nothing, registers the launches
+            before = tuple(c.clone() for c in mine)
+            paged_attention(q, k, v, mine, meta_t, D**-0.5)
+            assert all(torch.equal(a, b) for a, b in zip(before, mine))
+        upload(plan.fill(meta), DEVICE, into=plan.buffer)
+        upload(meta.block_tables.astype(np.int32), DEVICE,
+               into=plan.block_tables[: meta.num_seqs, : meta.block_tables.shape[1]])
+        got = paged_attention(q, k, v, mine, meta_t, D**-0.5)
+        results.append((host(got[:n]), host(want), [host(c) for c in mine], [host(c) for c in caches]))
+    return results, plan
+
+
+@pytest.mark.parametrize("scenario", ["mixed", "prefill", "long", "decodes"])
+def test_a_captured_plan_gives_the_planned_output(scenario):
+    seqs = SCENARIOS[scenario]
+    n = sum(q for _, q in seqs)
+    results, _ = planned_and_captured([seqs], max_seqs=len(seqs) + 3, max_tokens=n + 21)
+    for got, want, mine, theirs in results:
+        np.testing.assert_array_equal(got, want)  # same kernels, same tiles: the same floats
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)  # padding rows wrote nothing
+
+
+def test_a_refilled_plan_forgets_the_previous_step():
+    """Steps of fewer sequences and items after larger ones (stale items and lengths must read
+    as padding), and a step whose sequences fill every slot but the padding one."""
+    steps = [SCENARIOS["long"] + SCENARIOS["prefill"], SCENARIOS["mixed"], [(5, 1)],
+             [(2, 1)] * 7 + [(0, 30)]]
+    results, plan = planned_and_captured(steps, max_seqs=8, max_tokens=240)
+    for got, want, mine, theirs in results:
+        np.testing.assert_array_equal(got, want)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_larger_than_the_bucket_is_refused():
+    meta_t, plan = template(2, 16, 8)
+    with pytest.raises(ValueError, match="3 sequences and 3 tokens exceeds the captured 2 and 16"):
+        plan.fill(make_batch([(0, 1)] * 3, BLOCK, 20, 0))
+
+
+def test_mixed_buckets_and_their_knob(monkeypatch):
+    assert graphs.mixed_capture_sizes(8192) == [64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                                                6144, 8192]
+    assert graphs.mixed_capture_sizes(1000) == [64, 128, 256, 384, 512, 768, 1000]
+    assert graphs.mixed_capture_sizes(0) == []
+
+    class Limits:
+        max_num_batched_tokens = 2048
+
+    monkeypatch.delenv("FD_CUDA_MIXED_GRAPH_TOKENS", raising=False)
+    assert graphs.mixed_graph_tokens(Limits) == 2048  # never above the step budget
+    monkeypatch.setenv("FD_CUDA_MIXED_GRAPH_TOKENS", "512")
+    assert graphs.mixed_graph_tokens(Limits) == 512
+    monkeypatch.setenv("FD_CUDA_MIXED_GRAPH_TOKENS", "0")
+    assert graphs.mixed_graph_tokens(Limits) == 0
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv("FD_CUDA_MIXED_GRAPH_TOKENS", bad)
+        with pytest.raises(ValueError, match="FD_CUDA_MIXED_GRAPH_TOKENS"):
+            graphs.mixed_graph_tokens(Limits)
