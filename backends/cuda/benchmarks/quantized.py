@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import bandwidth, batch1  # noqa: E402
+from e2e import bandwidth, batch1, whole_vocabulary_tokenizer  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              head_dim=128, vocab_size=128256)
@@ -68,6 +68,8 @@ def build(folder: Path, layers: int) -> Path:
     (folder / "config.json").write_text(json.dumps(config))
     checkpoints._byte_level_tokenizer(folder, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
                                       chat_template=checkpoints.LLAMA_TEMPLATE)
+    # every id decodes to a word, so serve_latency.py --model can count this model's streams too
+    whole_vocabulary_tokenizer(folder, v)
     return folder
 
 

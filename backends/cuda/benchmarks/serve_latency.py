@@ -195,12 +195,13 @@ def trace_summary(folder: Path, began: float, ended: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=Path("/tmp/fd-ernie-0.3b"))
+    ap.add_argument("--model", type=Path, default=Path("/tmp/fd-ernie-0.3b"),
+                    help="a checkpoint folder to serve, or where to build the ERNIE-4.5-0.3B shape")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--clients", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4096, help="requests in the measured run")
-    ap.add_argument("--variant", action="append", default=None, help="extra fd serve flags (repeatable), after any NAME=value settings of its "
-                    "environment")
+    ap.add_argument("--variant", action="append", default=None,
+                    help="extra fd serve flags (repeatable), after any NAME=value settings of its environment")
     ap.add_argument("--trace", action="store_true",
                     help="record the engine core's steps and every server process's garbage collections "
                          "(trace_site/sitecustomize.py) and summarise them under each row")
@@ -212,7 +213,8 @@ def main() -> None:
     args = ap.parse_args()
     from e2e import build_model
 
-    model = build_model(args.model)
+    # a folder holding a checkpoint is served as it is (e.g. quantized.py's Llama-3-8B shape)
+    model = args.model if (args.model / "config.json").exists() else build_model(args.model)
     print(f"{args.clients} clients from {args.client_processes} processes, {PROMPT} prompt / {OUTPUT} output tokens, "
           f"{args.prompts} requests per run")
     print("| fd serve flags | requests | output tokens/s | TPOT p50 / p99 ms | client ITL p50 / p99 ms "

@@ -90,7 +90,8 @@ class _MixedGraph:
     """One mixed bucket: any step of at most ``tokens`` tokens and ``max_num_seqs`` sequences,
     its rows padded to ``tokens``. The padding rows compute values nothing reads."""
 
-    def __init__(self, tokens: int, limits: RunnerLimits, device: torch.device) -> None:
+    def __init__(self, tokens: int, limits: RunnerLimits, device: torch.device,
+                 block_tables: torch.Tensor | None = None) -> None:
         s = limits.max_num_seqs
         self.tokens = tokens
         # warm-up and capture: every sequence empty, every slot -1 (nothing written)
@@ -103,7 +104,7 @@ class _MixedGraph:
             block_size=limits.block_size,
         )
         self.plan = MixedPlan(self.meta, s, tokens, -(-limits.max_model_len // limits.block_size),
-                              limits.max_model_len, device)
+                              limits.max_model_len, device, block_tables)
         upload(self.plan.host, device, into=self.plan.buffer)
         self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -330,7 +331,8 @@ class GraphedForward:
         self._stale(kv_caches)
         graph = self.mixed_graphs.get(size)
         if graph is None:
-            graph = _MixedGraph(size, self.limits, device)
+            shared = next(iter(self.mixed_graphs.values())).plan.block_tables if self.mixed_graphs else None
+            graph = _MixedGraph(size, self.limits, device, shared)  # one block-table buffer for all
             graph.capture(self.forward, kv_caches, self.pool)
             self.mixed_graphs[size] = graph
         return graph

@@ -29,7 +29,8 @@ from fd_backend_cuda.kernels.attention import MixedPlan, paged_attention  # noqa
 HQ, HK, D, BLOCK = 4, 2, 32, 4
 
 
-def template(max_seqs: int, max_tokens: int, max_blocks: int) -> tuple[AttentionMetadata, MixedPlan]:
+def template(max_seqs: int, max_tokens: int, max_blocks: int,
+             block_tables=None) -> tuple[AttentionMetadata, MixedPlan]:
     """As ``graphs._MixedGraph`` builds it: every sequence empty, every slot -1."""
     meta = AttentionMetadata(
         query_start_loc=np.zeros(max_seqs + 1, dtype=np.int64),
@@ -39,7 +40,7 @@ def template(max_seqs: int, max_tokens: int, max_blocks: int) -> tuple[Attention
         slot_mapping=np.full(max_tokens, -1, dtype=np.int64),
         block_size=BLOCK,
     )
-    plan = MixedPlan(meta, max_seqs, max_tokens, max_blocks, max_blocks * BLOCK, DEVICE)
+    plan = MixedPlan(meta, max_seqs, max_tokens, max_blocks, max_blocks * BLOCK, DEVICE, block_tables)
     upload(plan.host, DEVICE, into=plan.buffer)
     return meta, plan
 
@@ -51,18 +52,26 @@ def tensors(n: int, tokens: int, num_blocks: int, seed: int):
     return q, k, v, caches
 
 
-def planned_and_captured(steps, max_seqs: int, max_tokens: int, num_blocks: int = 160, max_blocks: int = 64):
+def planned_and_captured(steps, max_seqs: int, max_tokens, num_blocks: int = 160, max_blocks: int = 64):
     """Each step of ``steps`` (a list of (context, new tokens) per sequence) run with its own
-    plan and through one MixedPlan, refilled before each: the two outputs and caches."""
-    meta_t, plan = template(max_seqs, max_tokens, max_blocks)
+    plan and through a MixedPlan, refilled before each: the two outputs and caches.
+    ``max_tokens``: one bucket, or several (plans sharing one block-table buffer, a step taking
+    the smallest that holds it, as graphs.py does)."""
+    buckets = sorted(max_tokens) if isinstance(max_tokens, list) else [max_tokens]
+    plans = [template(max_seqs, buckets[0], max_blocks)]
+    plans += [template(max_seqs, t, max_blocks, plans[0][1].block_tables) for t in buckets[1:]]
+    warmed = set()
     results = []
     for i, seqs in enumerate(steps):
         meta = make_batch(seqs, BLOCK, num_blocks, seed=i)
         n = int(meta.query_start_loc[-1])
-        q, k, v, caches = tensors(n, max_tokens, num_blocks, seed=10 * i)
+        which = next(j for j, t in enumerate(buckets) if t >= n)
+        meta_t, plan = plans[which]
+        q, k, v, caches = tensors(n, buckets[which], num_blocks, seed=10 * i)
         mine = tuple(c.clone() for c in caches)
         want = paged_attention(q[:n], k[:n], v[:n], caches, meta, D**-0.5)
-        if i == 0:  # the warm-up run of capture: writes nothing, registers the launches
+        if which not in warmed:  # the warm-up run of capture: writes nothing, registers the launches
+            warmed.add(which)
             before = tuple(c.clone() for c in mine)
             paged_attention(q, k, v, mine, meta_t, D**-0.5)
             assert all(torch.equal(a, b) for a, b in zip(before, mine))
@@ -91,6 +100,18 @@ def test_a_refilled_plan_forgets_the_previous_step():
     steps = [SCENARIOS["long"] + SCENARIOS["prefill"], SCENARIOS["mixed"], [(5, 1)],
              [(2, 1)] * 7 + [(0, 30)]]
     results, plan = planned_and_captured(steps, max_seqs=8, max_tokens=240)
+    for got, want, mine, theirs in results:
+        np.testing.assert_array_equal(got, want)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_buckets_sharing_block_tables():
+    """Two buckets' plans share one block-table buffer; steps alternate between them, each
+    writing its rows over the other's."""
+    steps = [SCENARIOS["long"], SCENARIOS["mixed"], SCENARIOS["long"] + SCENARIOS["prefill"], [(9, 1), (40, 1)],
+             SCENARIOS["prefill"]]
+    results, plan = planned_and_captured(steps, max_seqs=8, max_tokens=[64, 240])
     for got, want, mine, theirs in results:
         np.testing.assert_array_equal(got, want)
         for a, b in zip(mine, theirs):

@@ -607,7 +607,7 @@ class MixedPlan:
     at most ``max_seqs`` sequences and ``max_tokens`` tokens. The captured kernels read fixed
     device buffers, which ``fill`` rewrites before each replay (one int32 array: query starts,
     sequence and context lengths, the slot mapping and both launches' work items; the block
-    tables are a ``[max_seqs + 1, max_blocks]`` buffer of their own).
+    tables are a ``[max_seqs + 1, max_blocks]`` buffer, which plans may share).
 
     Both launches always run, over as many work items as any step of the bucket can have.
     Sequence ``max_seqs`` is padding: no tokens, no keys. The items a step leaves unused point
@@ -620,7 +620,7 @@ class MixedPlan:
     """
 
     def __init__(self, meta, max_seqs: int, max_tokens: int, max_blocks: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, block_tables: torch.Tensor | None = None) -> None:
         self.max_seqs, self.max_tokens, self.max_model_len = max_seqs, max_tokens, max_model_len
         if device.type == "cuda" and device.index is None:  # the kernels key by q.device: "cuda:0"
             device = torch.device("cuda", torch.cuda.current_device())
@@ -634,7 +634,14 @@ class MixedPlan:
         offsets = np.cumsum([0] + sizes)
         self._host_views = [self.host[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
         views = [self.buffer[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-        self.block_tables = torch.zeros((s + 1, max_blocks), dtype=torch.int32, device=device)
+        # ``block_tables`` may be shared by the plans of several graphs (one replays at a time,
+        # each after writing its step's rows): at long context it is the largest buffer here
+        if block_tables is None:
+            block_tables = torch.zeros((s + 1, max_blocks), dtype=torch.int32, device=device)
+        elif tuple(block_tables.shape) != (s + 1, max_blocks) or block_tables.dtype != torch.int32:
+            raise ValueError(f"shared block tables must be int32 [{s + 1}, {max_blocks}], got "
+                             f"{block_tables.dtype} {tuple(block_tables.shape)}")
+        self.block_tables = block_tables
         meta.device[f"cuda.step@{device}"] = StepTensors(
             query_start_loc=views[0], seq_lens=views[1], context_lens=views[2],
             block_tables=self.block_tables, slot_mapping=views[3],
