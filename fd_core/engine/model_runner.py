@@ -150,7 +150,7 @@ def greedy_batch(rows: int) -> SamplingBatch:
 
 
 def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int,
-                   rows: BlockTableRows | None = None) -> tuple[StepInputs, list[Sequence]]:
+                   kept: BlockTableRows | None = None) -> tuple[StepInputs, list[Sequence]]:
     """The step's inputs, and the sequences that sample, one per logit row in that order: each
     scheduled sequence whose step reaches its end, followed by the forks the scheduler seated
     with it (``ScheduledSeq.forks``: they sample from the same row, each with its own seed). A
@@ -158,7 +158,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int,
     samples a row at each of those positions: it appears once per row.
 
     Built with one Python pass over the sequences and array operations after it: at a few
-    hundred sequences per step this runs every step, between two forwards. ``rows``: the
+    hundred sequences per step this runs every step, between two forwards. ``kept``: the
     engine's block tables kept from step to step (else built from the lists)."""
     num_seqs = len(scheduled)
     query_lens = np.fromiter((s.num_new for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -170,7 +170,7 @@ def prepare_inputs(scheduled: list[ScheduledSeq], block_size: int,
         ids = np.fromiter(itertools.chain.from_iterable(
             s.seq.tokens_between(s.seq.num_computed, s.seq.num_computed + s.num_new - len(s.drafts)) + s.drafts
             for s in scheduled), dtype=np.int64, count=num_tokens)
-    tables = rows.tables([s.seq for s in scheduled]) if rows is not None else [s.seq.block_table for s in scheduled]
+    tables = kept.tables([s.seq for s in scheduled]) if kept is not None else [s.seq.block_table for s in scheduled]
     inputs = ragged_inputs(ids, tables, context_lens, query_lens, block_size)
     query_start_loc = inputs.meta.query_start_loc
     sampled: list[Sequence] = []

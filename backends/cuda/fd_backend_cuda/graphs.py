@@ -22,9 +22,9 @@ for the smallest token bucket ``T`` that holds it (``mixed_capture_sizes``: 64 t
 ``FD_CUDA_MIXED_GRAPH_TOKENS`` the largest, 0 for none) and ``max_num_seqs`` sequences: its
 attention plan is ``attention.MixedPlan``, fixed launches over as many work items as such a step
 can have, whose unused items and rows are inert. Eagerly, a mixed step's ~250 launches cost the
-host 12-17 ms (H200 host, ERNIE-4.5-0.3B shape, 64 decodes beside 2-8 prompts of 256 tokens:
-``gpu_profile.py --load mixed``), many times the GPU's work, and every running stream waited
-that long for its next token. Only steps with more tokens than the largest bucket, and the
+host 14-20 ms at the median (H200 host, ERNIE-4.5-0.3B shape, 64 decodes beside 2-8 prompts
+of 256 tokens: ``gpu_profile.py --load mixed``), many times the GPU's work, and every running
+stream waited that long for its next token. Only steps with more tokens than the largest bucket, and the
 runner's ``eager`` steps, run eagerly through the same ops.
 
 Every graph is captured at start-up, once the KV cache exists (``warm_up``), each after one
@@ -86,6 +86,25 @@ def mixed_graph_tokens(limits: RunnerLimits) -> int:
     return min(cap, limits.max_num_batched_tokens)
 
 
+def _captured(run: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``run`` once eagerly (Triton compiles, launch plans and scratch are made then), then
+    captured into a graph in ``pool``: the graph and what the captured ``run`` returned."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
+
+
+def _upload_tables(meta: AttentionMetadata, into: torch.Tensor) -> None:
+    """The step's block tables into the first rows and columns of a graph's buffer (the rest
+    is stale and unread: each sequence reads only its own blocks)."""
+    tables = meta.block_tables
+    if tables.ndim == 2 and tables.shape[1]:
+        upload(tables.astype(np.int32), into.device, into=into[: tables.shape[0], : tables.shape[1]])
+
+
 class _MixedGraph:
     """One mixed bucket: any step of at most ``tokens`` tokens and ``max_num_seqs`` sequences,
     its rows padded to ``tokens``. The padding rows compute values nothing reads."""
@@ -112,22 +131,15 @@ class _MixedGraph:
         self.output: torch.Tensor | None = None
 
     def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any) -> None:
-        forward(self.ids, self.positions, kv_caches, self.meta)  # warm-up: compile, plan, allocate
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.output = forward(self.ids, self.positions, kv_caches, self.meta)
-        self.graph = graph
+        self.graph, self.output = _captured(lambda: forward(self.ids, self.positions, kv_caches, self.meta), pool)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n, s = ids.shape[0], meta.num_seqs
+        n = ids.shape[0]
         self.ids[:n].copy_(ids)  # rows past n keep earlier valid ids and positions
         self.positions[:n].copy_(positions)
         device = self.ids.device
         upload(self.plan.fill(meta), device, into=self.plan.buffer)
-        tables = meta.block_tables
-        if tables.ndim == 2 and tables.shape[1]:
-            upload(tables.astype(np.int32), device, into=self.plan.block_tables[:s, : tables.shape[1]])
+        _upload_tables(meta, self.plan.block_tables)
         self.graph.replay()
         return self.output[:n]
 
@@ -166,12 +178,7 @@ class _Graph:
             hidden = forward(self.ids, self.positions, kv_caches, self.meta)
             return hidden, None if head is None else head(hidden, None)
 
-        run()  # warm-up: compile, plan, allocate
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.output, self.logits = run()
-        self.graph = graph
+        self.graph, (self.output, self.logits) = _captured(run, pool)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.replay_head(ids, positions, meta)[0]
@@ -206,8 +213,7 @@ class _Graph:
             self.ids.index_copy_(0, index, ids)  # padding rows keep earlier valid ids and positions
             self.positions.index_copy_(0, index, positions)
         upload(packed, device, into=self.packed_device)
-        tables = meta.block_tables
-        upload(tables.astype(np.int32), device, into=self.tensors.block_tables[:s, : tables.shape[1]])
+        _upload_tables(meta, self.tensors.block_tables)
         self.graph.replay()
         if index is not None:
             return self.output.index_select(0, index), None

@@ -27,6 +27,8 @@ from fd_backend_cuda import graphs  # noqa: E402
 from fd_backend_cuda.kernels.attention import MixedPlan, paged_attention  # noqa: E402
 
 HQ, HK, D, BLOCK = 4, 2, 32, 4
+# the plan is keyed by the device as tensors report it ("cuda:0"), as the runner's is
+PLAN_DEVICE = torch.device("cuda", torch.cuda.current_device()) if DEVICE.type == "cuda" else DEVICE
 
 
 def template(max_seqs: int, max_tokens: int, max_blocks: int,
@@ -40,7 +42,7 @@ def template(max_seqs: int, max_tokens: int, max_blocks: int,
         slot_mapping=np.full(max_tokens, -1, dtype=np.int64),
         block_size=BLOCK,
     )
-    plan = MixedPlan(meta, max_seqs, max_tokens, max_blocks, max_blocks * BLOCK, DEVICE, block_tables)
+    plan = MixedPlan(meta, max_seqs, max_tokens, max_blocks, max_blocks * BLOCK, PLAN_DEVICE, block_tables)
     upload(plan.host, DEVICE, into=plan.buffer)
     return meta, plan
 
@@ -143,3 +145,57 @@ def test_mixed_buckets_and_their_knob(monkeypatch):
         monkeypatch.setenv("FD_CUDA_MIXED_GRAPH_TOKENS", bad)
         with pytest.raises(ValueError, match="FD_CUDA_MIXED_GRAPH_TOKENS"):
             graphs.mixed_graph_tokens(Limits)
+
+
+class _ReplayByRerun:
+    """A stand-in for a captured graph on the CPU: a replay runs the captured function again
+    (reading the same buffers, as the kernels in a graph do) into the captured output."""
+
+    def __init__(self, run, output) -> None:
+        self.run, self.output = run, output
+
+    def replay(self) -> None:
+        self.output.copy_(self.run())
+
+
+def test_mixed_graphs_replay_what_the_forward_computes(monkeypatch):
+    """``graphs._MixedGraph`` end to end (on the CPU a stand-in graph re-runs the captured
+    function): buckets of 64 and 96 tokens sharing their block tables, steps padded to them,
+    the plan refilled, the output of each step's own rows that of the eager forward, and the
+    cache written exactly where the eager step writes it."""
+    from fd_core.interfaces import RunnerLimits
+
+    if DEVICE.type != "cuda":  # a GPU captures real graphs
+        monkeypatch.setattr(graphs, "_captured", lambda run, pool: (lambda out: (_ReplayByRerun(run, out), out))(run()))
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    limits = RunnerLimits(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=96, block_size=BLOCK)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn((500, HQ * D), generator=g).to(DEVICE)
+
+    def forward(ids, positions, kv_caches, meta):
+        x = table[ids] + positions[:, None].float() / 100  # a row from its id and position
+        q, kv = x.view(-1, HQ, D), x[:, : HK * D].reshape(-1, HK, D)
+        return paged_attention(q, kv, kv * 0.5, kv_caches[0], meta, D**-0.5)
+
+    num_blocks = 160
+    cache = tuple(rand((num_blocks * BLOCK, HK, D), torch.float32, 50 + i) for i in range(2))
+    eager_cache = tuple(c.clone() for c in cache)
+    kv_caches = [cache]  # one list for the engine's life: another would make the graphs stale
+    hooked = graphs.GraphedForward(forward, limits)
+    assert hooked.mixed_sizes == [64, 96]
+    steps = [SCENARIOS["mixed"], SCENARIOS["long"][:2] + [(5, 60), (0, 25)], SCENARIOS["prefill"], [(3, 1), (8, 40)]]
+    for i, seqs in enumerate(steps):
+        meta = make_batch(seqs, BLOCK, num_blocks, seed=i)
+        n = int(meta.query_start_loc[-1])
+        ids = torch.from_numpy(np.random.default_rng(i).integers(0, 500, n)).to(DEVICE)
+        positions = torch.from_numpy(np.concatenate([np.arange(c, c + q) for c, q in seqs])).to(DEVICE)
+        want = forward(ids, positions, [eager_cache], meta)
+        graph = hooked._mixed_graph(hooked.mixed_bucket(n), kv_caches, PLAN_DEVICE)
+        got = graph.replay(ids, positions, meta)
+        assert got.shape[0] == n
+        np.testing.assert_array_equal(host(got), host(want))
+        for a, b in zip(cache, eager_cache):
+            np.testing.assert_array_equal(host(a), host(b))
+    assert sorted(hooked.mixed_graphs) == [64, 96]
+    first, second = (hooked.mixed_graphs[t].plan.block_tables for t in (64, 96))
+    assert first is second  # one block-table buffer for every bucket

@@ -616,14 +616,13 @@ class MixedPlan:
     fixed at capture: the short-query launch's for the longest sequence the engine allows (as
     in decode graphs), none for the prefill launch, whose items fill the GPU; the prefill launch
     never takes the unmasked loop of long key ranges (``SPLIT_MASK_KEYS``), a speed trade,
-    not a change of result.
+    not a change of result. ``device`` as the step's tensors report it (``cuda:0``, not
+    ``cuda``): the kernels look the plan up by ``q.device``.
     """
 
     def __init__(self, meta, max_seqs: int, max_tokens: int, max_blocks: int, max_model_len: int,
                  device: torch.device, block_tables: torch.Tensor | None = None) -> None:
         self.max_seqs, self.max_tokens, self.max_model_len = max_seqs, max_tokens, max_model_len
-        if device.type == "cuda" and device.index is None:  # the kernels key by q.device: "cuda:0"
-            device = torch.device("cuda", torch.cuda.current_device())
         s, t = max_seqs, max_tokens
         # regions of the packed buffer: query starts (S + 2: the padding sequence's end too),
         # seq_lens, context_lens (S + 1), slots (T), then each launch's items and first tokens
@@ -701,10 +700,11 @@ class MixedPlan:
                 k = len(item_seq)
                 if k > launch.num_items:  # the bound in ``launches`` rules it out
                     raise AssertionError(f"{k} work items for a launch captured with {launch.num_items}")
+                cap = launch.num_items  # the launch's grid; the region past it is never read
                 seq_h[:k] = item_seq
-                seq_h[k:] = self.max_seqs  # the padding sequence
+                seq_h[k:cap] = self.max_seqs  # the padding sequence
                 tok_h[:k] = item_tok
-                tok_h[k:] = 0
+                tok_h[k:cap] = 0
         return self.host
 
 

@@ -494,7 +494,7 @@ def _sample_kernel(
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
             c = start + cols
-            x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf")).to(tl.float32).to(tl.float32)
+            x = tl.load(raw_row + c, mask=c < vocab, other=float("-inf")).to(tl.float32)
             lane_max = tl.maximum(lane_max, x)
         raw_max = tl.max(lane_max, axis=0)
     lane_sum = tl.zeros([BLOCK], tl.float32)
