@@ -217,6 +217,28 @@ def test_pack_experts_goes_with_the_moe_of_its_name():
         assert declined.pack_experts(*lists) == lists  # nothing paired: the lists as they are
 
 
+def test_a_fused_op_stands_in_only_where_its_package_serves_its_parts():
+    """rotary_attention is chosen beside the rotary and attention of its own package; a pin
+    (or a fallback) that takes either part elsewhere leaves it out, so the parts run, unless
+    it is pinned itself."""
+    reg = OpRegistry()
+    reg.register_reference("torch", {"rotary": lambda *a: "ref", "attention": lambda *a: "ref"})
+    with reg.registering("fd-backend-chip"):
+        for op in ("rotary", "attention", "rotary_attention"):
+            reg.register(op, "chip", lambda *a: "chip", name=f"chip-{op}", priority=5)
+    assert reg.select("chip", "torch", {"dtype": "bfloat16"}).has("rotary_attention")
+    for part in ("rotary", "attention"):
+        table = reg.select("chip", "torch", {"dtype": "bfloat16"}, pins={part: "reference"})
+        assert not table.has("rotary_attention") and table.choices[part].impl.name == "reference"
+    pinned = reg.select("chip", "torch", {"dtype": "bfloat16"},
+                        pins={"attention": "reference", "rotary_attention": "chip-rotary_attention"})
+    assert pinned.has("rotary_attention")
+    with reg.registering("fd-backend-other"):  # a faster attention from another package
+        reg.register("attention", "chip", lambda *a: "other", name="other-attention", priority=9)
+    table = reg.select("chip", "torch", {"dtype": "bfloat16"})
+    assert table.choices["attention"].impl.name == "other-attention" and not table.has("rotary_attention")
+
+
 def test_fd_backends_cli_reports_everything(site):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
     env.pop("FD_BACKENDS", None)

@@ -11,6 +11,7 @@ from fd_core.interfaces.memory import Memory
 from fd_core.interfaces.model_runner import ModelRunner, ModelRunnerHooks, RunnerLimits
 from fd_core.interfaces.ops import (
     FP8_BLOCK,
+    FUSED_OPS,
     OP_SPECS,
     QUANTIZATION_METHODS,
     AttentionMetadata,
@@ -27,6 +28,7 @@ from fd_core.interfaces.version import API_VERSION, is_compatible
 __all__ = [
     "API_VERSION",
     "FP8_BLOCK",
+    "FUSED_OPS",
     "OP_SPECS",
     "QUANTIZATION_METHODS",
     "AttentionMetadata",

@@ -28,6 +28,10 @@ class OpSpec:
 
 
 QUANTIZATION_METHODS = ("wint8", "wint4", "block_wise_fp8")
+
+# Optional ops that do the work of several: each stands in for its parts only where the package
+# that made it serves every part chosen (a pin or a fallback elsewhere keeps the parts).
+FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_attention": ("rotary", "attention")}
 FP8_BLOCK = 128  # block_wise_fp8: one scale per 128 x 128 block of the weight
 
 
@@ -297,6 +301,21 @@ OP_SPECS: dict[str, OpSpec] = {
             k and v are stored in the cache's dtype (attention reads them back from there); the
             output has q's dtype.
             """,
+        ),
+        _spec(
+            "rotary_attention",
+            "rotary_attention(positions: T[N] int64, q: T[N, Hq, D], k: T[N, Hk, D], v: T[N, Hk, D],"
+            " cos_sin: T[P, R], style: str, kv_cache: tuple[T, T], meta: AttentionMetadata, scale: float)"
+            " -> T[N, Hq, D]",
+            """
+            Optional (1.19). ``attention(*rotary(positions, q, k, cos_sin, style), v, kv_cache, meta,
+            scale)``: the same results, the rotated k rounded to k's dtype before the cache gets
+            it, as there. For a backend that rotates q and k in the kernel writing the cache, a
+            launch less per layer. The engine calls it in place of the two where the package that
+            made it also serves the ``rotary`` and ``attention`` chosen (``FUSED_OPS``); without
+            it, or with either of them pinned elsewhere (``--op``), the two run.
+            """,
+            optional=True,
         ),
         _spec(
             "moe",

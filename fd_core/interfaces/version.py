@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.18.0"
+API_VERSION = "1.19.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -49,6 +49,9 @@ API_VERSION = "1.18.0"
 #      step's input ids can come from the previous step's sample on every rank
 # 1.18: a wrap_forward replacement's optional attach_head / with_head: a decode step's forward
 #      and the model's head (the logits of every row) in one call, e.g. one captured graph
+# 1.19: the optional rotary_attention op (rotary then attention in one call, so a backend may
+#      rotate q and k in the kernel that writes the KV cache), used where the package that made
+#      it also serves the rotary and attention chosen
 
 
 def _parse(version: str) -> tuple[int, int, int]:

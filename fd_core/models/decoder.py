@@ -440,8 +440,12 @@ class DecoderForCausalLM:
         if self.traits.qk_norm:
             q = ops.rms_norm(q, layer.q_norm, eps)
             k = ops.rms_norm(k, layer.k_norm, eps)
-        q, k = ops.rotary(positions, q, k, self.cos_sin, self.traits.rope_style)
-        out = ops.attention(q, k, v, kv_cache, meta, self.scale)
+        if ops.has("rotary_attention"):  # the backend rotates q and k where it writes the cache
+            out = ops.rotary_attention(positions, q, k, v, self.cos_sin, self.traits.rope_style, kv_cache, meta,
+                                       self.scale)
+        else:
+            q, k = ops.rotary(positions, q, k, self.cos_sin, self.traits.rope_style)
+            out = ops.attention(q, k, v, kv_cache, meta, self.scale)
         return self._row_parallel(out.reshape([n, self.q_size]), layer.o, layer.o_bias)
 
     def compute_logits(self, hidden: Tensor, row_indices: Tensor | None) -> Tensor:

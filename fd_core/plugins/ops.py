@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from fd_core.errors import ConfigError
-from fd_core.interfaces import API_VERSION, OP_SPECS, QuantizedWeight
+from fd_core.interfaces import API_VERSION, FUSED_OPS, OP_SPECS, QuantizedWeight
 from fd_core.interfaces.version import at_least
 from fd_core.plugins.signatures import mismatch
 
@@ -180,6 +180,15 @@ class OpRegistry:
             choice = self._choose(op, device_type, runtime, context, pins)
             if choice is not None:
                 choices[op] = choice
+        for fused, parts in FUSED_OPS.items():
+            choice = choices.get(fused)
+            if choice is None or fused in pins:
+                continue
+            elsewhere = [p for p in parts if p not in choices or choices[p].impl.source != choice.impl.source]
+            if elsewhere:  # e.g. --op attention=reference: the parts run, as asked
+                log.info("op %s (%s) not used: %s chosen from another package", fused, choice.impl.name,
+                         ", ".join(elsewhere))
+                del choices[fused]
         if "moe" in choices:
             # the moe chosen reads only what its own pack_experts makes, or the lists
             moe = choices["moe"].impl

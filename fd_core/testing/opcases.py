@@ -232,6 +232,31 @@ def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     compare(case, impl, "value cache after the write", dev.get(vc), vch, exact=True)
 
 
+def _rotary_attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
+    p = case.params
+    rng = _rng(case)
+    (hq, hk), d, rot, style = p["heads"], case.head_dim, p["rotary_dim"], p["style"]
+    meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
+    n = int(meta.query_start_loc[-1])
+    positions, pos = dev.put((meta.context_lens.repeat(np.diff(meta.query_start_loc))
+                              + np.arange(n) - np.repeat(meta.query_start_loc[:-1], np.diff(meta.query_start_loc))))
+    q, qh = dev.put(_randn(rng, n, hq, d))
+    k, kh = dev.put(_randn(rng, n, hk, d))
+    v, vh = dev.put(_randn(rng, n, hk, d))
+    inv = 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot)
+    angles = np.arange(512)[:, None] * inv[None, :]
+    table, th = dev.put(np.concatenate([np.cos(angles), np.sin(angles)], -1).astype(np.float32), "float32")
+    (kc, kch), (vc, vch) = dev.put(key_cache), dev.put(value_cache)
+    scale = d**-0.5
+    out = fn(positions, q, k, v, table, style, (kc, vc), meta, scale)
+    # the rotated q and k the spec computes, rounded to the case's dtype as the rotary op's are
+    rq, rk = (dev.get(dev.put(x)[0]) for x in spec.rotary(pos, qh, kh, th, style))
+    want = spec.attention(rq, rk, vh, (kch, vch), meta, scale)  # writes kch, vch in place
+    compare(case, impl, "output", dev.get(out), want)
+    compare(case, impl, "key cache after the write", dev.get(kc), kch)
+    compare(case, impl, "value cache after the write", dev.get(vc), vch, exact=True)
+
+
 def _moe(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     p = case.params
     rng = _rng(case)
@@ -423,7 +448,7 @@ def _token_logprobs(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
 
 RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "rotary": _rotary, "linear": _linear,
-    "silu_and_mul": _silu_and_mul, "attention": _attention, "moe": _moe, "sample": _sample,
+    "silu_and_mul": _silu_and_mul, "attention": _attention, "rotary_attention": _rotary_attention, "moe": _moe, "sample": _sample,
     "sample_async": _sample, "token_logprobs": _token_logprobs,
 }
 
@@ -528,6 +553,12 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
             add("attention", f"long-context decode step {LONG_DECODE} q heads 8 kv heads 2 head_dim 128 "
                 f"block_size 16, values of mean 1", head_dim=128,
                 params=dict(seqs=LONG_DECODE, heads=(8, 2), block_size=16, value_mean=1.0))
+            for style, (heads, d, rot), name in [("neox", ((8, 2), 128, 128), "prefill+decode"),
+                                                 ("interleaved", ((4, 4), 64, 32), "decode")]:
+                seqs = ATTENTION_STEPS[name]
+                add("rotary_attention", f"{style} {name} step {seqs} q heads {heads[0]} kv heads {heads[1]} "
+                    f"head_dim {d} rotary_dim {rot} block_size 16", head_dim=d,
+                    params=dict(seqs=seqs, heads=heads, block_size=16, style=style, rotary_dim=rot))
         for kv in sorted(capabilities.kv_cache_dtypes & KV_QUANTIZED.keys()):
             for name in ("prefill+decode", "mixed" if chunked else "decode"):
                 seqs = ATTENTION_STEPS[name]

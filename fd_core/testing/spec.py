@@ -40,6 +40,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "linear": {"rtol": 1e-4, "atol": 1e-4},
     "silu_and_mul": {"rtol": 1e-5, "atol": 1e-6},
     "attention": {"rtol": 1e-4, "atol": 1e-5},
+    "rotary_attention": {"rtol": 1e-4, "atol": 1e-5},  # attention's
     "moe": {"rtol": 1e-4, "atol": 1e-4},
     "sample": {"rtol": 1e-5, "atol": 1e-5},  # for logprobs; token ids and ranks are exact
     "sample_async": {"rtol": 1e-5, "atol": 1e-5},  # its result(), as sample's
@@ -87,7 +88,7 @@ def tolerance(op: str, dtype: str = "float32", quantization: str | None = None) 
         return QUANTIZED_LINEAR_TOLERANCE
     if dtype == "float32" or op in ("embedding", "sample", "sample_async", "token_logprobs", "deferred_bitmask"):
         return TOLERANCES[op]
-    table = HALF_ATTENTION_TOLERANCES if op in ("attention", "moe") else HALF_TOLERANCES
+    table = HALF_ATTENTION_TOLERANCES if op in ("attention", "rotary_attention", "moe") else HALF_TOLERANCES
     if dtype not in table:
         raise ValueError(f"no stated tolerance for dtype {dtype!r}; known: float32, {', '.join(table)}")
     return table[dtype]
@@ -146,6 +147,14 @@ def rotary(
         return out.astype(x.dtype)
 
     return apply(q), apply(k)
+
+
+def rotary_attention(positions: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos_sin: np.ndarray,
+                     style: str, kv_cache: tuple[np.ndarray, np.ndarray], meta: AttentionMetadata,
+                     scale: float) -> np.ndarray:
+    """``rotary``, then ``attention`` on its results (writes ``kv_cache`` in place)."""
+    q, k = rotary(positions, q, k, cos_sin, style)
+    return attention(q, k, v, kv_cache, meta, scale)
 
 
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:

@@ -14,6 +14,8 @@ every op not listed in ``OPS``, to the reference implementation.
   (--kv-cache-dtype int8 / fp8_e4m3); head_dim up to 256 (a power of two is the fast path; others are
   padded to the next one); any block_size; Hq a multiple of Hk. Metadata is uploaded once per
   step into ``meta.device``.
+* ``rotary_attention``: ``attention`` with q and k rotated by the kernel that writes the cache
+  (``rotary``'s inputs and styles); a launch less per layer.
 * ``linear`` for plain float16 / bfloat16 weights: the few-row kernel (``kernels/gemv.py``) for
   one to four rows (decode steps of one to four sequences), where it beat cuBLAS on an H200
   (``benchmarks/bench_gemv.py``), cuBLAS for everything else; registered apart from ``OPS``
@@ -81,6 +83,11 @@ SUPPORTED: dict[str, dict] = {
         "max_head_dim": MAX_HEAD_DIM,
         "note": "head_dim <= 256 (power of two: no padding); any block_size; Hq % Hk == 0",
     },
+    "rotary_attention": {
+        "dtypes": FLOAT_DTYPES,
+        "max_head_dim": MAX_HEAD_DIM,
+        "note": "attention's kernels; q and k rotated in the K/V write's (one launch less a layer)",
+    },
     "moe": {
         "dtypes": FLOAT_DTYPES,
         "note": "plain, wint8, wint4, block_wise_fp8 experts stacked by pack_experts; lists: the reference",
@@ -138,6 +145,21 @@ def attention(
     return _paged_attention(q, k, v, kv_cache, meta, scale)
 
 
+def rotary_attention(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos_sin: Tensor,
+    style: str,
+    kv_cache: tuple[Tensor, Tensor],
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """``rotary`` then ``attention``, the rotation done by the kernel that writes the cache."""
+    return _paged_attention(q, k, v, kv_cache, meta, scale, rotary=(positions, cos_sin, style))
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Plain weights: one to four rows through ``kernels/gemv.py``, cuBLAS otherwise. At three
     or four rows cuBLAS keeps the long-K shapes (Llama-3-8B's down projection, K 14,336:
@@ -164,6 +186,7 @@ OPS: dict[str, Callable] = {
     "rotary": rotary,
     "silu_and_mul": silu_and_mul,
     "attention": attention,
+    "rotary_attention": rotary_attention,
     "sample": sample,
     "sample_async": sample_async,
     "deferred_bitmask": deferred_bitmask,

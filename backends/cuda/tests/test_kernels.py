@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
 
+from fd_core.errors import ConfigError
 from fd_core.interfaces.ops import AttentionMetadata
 from fd_core.quantization.kv_cache import quantized_cache, write_slots
 from fd_core.testing import spec
@@ -303,12 +304,23 @@ def test_attention_query_and_cache_dtypes_differ():
     ],
 )
 def test_attention_split_k(scenario, num_splits, dtype):
-    """Flash-decoding path: key ranges split across programs, merged by the combine kernel
-    (including empty segments for short sequences)."""
-    out, want, _ = run_attention(
+    """Flash-decoding path: key ranges split across programs, merged by the last of them to
+    finish (including empty segments for short sequences), which leaves every arrival counter
+    at zero: a second call through the same launches (as a graph replays them) merges again."""
+    out, want, meta = run_attention(
         SCENARIOS[scenario], (4, 2), 32, 4, dtype, seed=7, num_splits=num_splits
     )
     close(out, want, tol("attention", dtype))
+    split = [launch for launch in _launches(meta) if launch.num_splits > 1]
+    assert split and all(int(launch.scratch[3].abs().sum()) == 0 for launch in split)
+    n = int(meta.query_start_loc[-1])
+    q, k, v = (rand((n, h, 32), dtype, 40 + i) for i, h in enumerate((4, 2, 2)))
+    blocks = sum(-(-(c + t) // 4) for c, t in SCENARIOS[scenario]) + 3
+    key_cache, value_cache = (rand((blocks * 4, 2, 32), dtype, 50 + i) for i in range(2))
+    k_in, v_in = host(k.to(dtype)), host(v.to(dtype))
+    again = spec.attention(host(q), k_in, v_in, (host(key_cache), host(value_cache)), meta, 32**-0.5)
+    close(paged_attention(q, k, v, (key_cache, value_cache), meta, 32**-0.5, num_splits=num_splits),
+          again, tol("attention", dtype))
 
 
 def _launches(meta) -> list:
@@ -430,6 +442,50 @@ def run_quantized_cache(seqs, heads, head_dim, block_size, dtype, kv, seed=0, nu
     return out, want
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("style,heads,head_dim,rot,kv", [
+    ("neox", (4, 2), 32, 32, None), ("interleaved", (4, 2), 32, 32, None), ("neox", (2, 2), 48, 20, None),
+    ("interleaved", (4, 1), 64, 32, "int8"),
+])
+def test_rotary_attention_is_rotary_then_attention(dtype, style, heads, head_dim, rot, kv):
+    """The fused op (q and k rotated by the kernel that writes the cache) gives what the rotary
+    op and then attention give: q and k read as slices of one fused qkv output, a partial
+    rotary dim, a quantized cache. Bit for bit in the interpreter; on a GPU the compiler may
+    contract the rotation's products into FMAs differently in the two kernels (an H200 did in
+    float32), so there the output and cache agree within the rounding of the rotation."""
+    hq, hk = heads
+    seqs = SCENARIOS["mixed"]
+    num_blocks = sum(-(-(c + q) // 4) for c, q in seqs) + 3
+    meta = make_batch(seqs, 4, num_blocks, 31)
+    n = int(meta.query_start_loc[-1])
+    qkv = rand((n, (hq + 2 * hk) * head_dim), dtype, 32, scale=2.0)
+    q = qkv[:, : hq * head_dim].view(n, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(n, hk, head_dim)
+    v = qkv[:, (hq + hk) * head_dim :].view(n, hk, head_dim)
+    qlens = np.diff(meta.query_start_loc)
+    positions = torch.from_numpy(np.repeat(meta.context_lens, qlens) + np.arange(n)
+                                 - np.repeat(meta.query_start_loc[:-1], qlens)).to(DEVICE)
+    cs = cos_sin_table(64, rot)
+    shape = (num_blocks * 4, hk, head_dim)
+    if kv is None:
+        caches = [rand(shape, dtype, 33 + i) for i in range(2)]
+    else:
+        caches = [torch.from_numpy(quantized_cache(host(rand(shape, torch.float32, 33 + i)), kv, 4)).to(DEVICE)
+                  for i in range(2)]
+    fused_caches = [c.clone() for c in caches]
+    rq, rk = ops.rotary(positions, q, k, cs, style)
+    want = ops.attention(rq, rk, v, tuple(caches), meta, head_dim**-0.5)
+    got = ops.rotary_attention(positions, q, k, v, cs, style, tuple(fused_caches), meta, head_dim**-0.5)
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
+        return
+    close(got, host(want), tol("attention", dtype))
+    if kv is None:
+        for a, b in zip(fused_caches, caches):
+            close(a, host(b), tol("rotary", dtype))
+
+
 # fp8 needs float8 conversions: sm89+ on a GPU. Triton 3.6's interpreter rounds float32 to e4m3
 # without carrying into the exponent (1.95 becomes 1.0, not 2.0), so it runs on a GPU only.
 KV_FORMATS = ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.skipif(
@@ -475,6 +531,19 @@ def test_write_kv_cache_quantized_skips_negative_slots():
     np.testing.assert_array_equal(host(kc), want)
 
 
+def test_programmatic_dependent_launch_setting(monkeypatch):
+    """``FD_CUDA_PDL``: kernels on the CPU (the interpreter) never take it; on a GPU 0 turns it
+    off, and anything but 0 or 1 stops with the variable's name."""
+    from fd_backend_cuda.kernels import _common
+
+    assert _common.pdl(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("FD_CUDA_PDL", "0")
+    assert _common._pdl.__wrapped__(0) is False
+    monkeypatch.setenv("FD_CUDA_PDL", "yes")
+    with pytest.raises(ConfigError, match="FD_CUDA_PDL must be 0 or 1"):
+        _common._pdl.__wrapped__(0)
+
+
 def test_supports():
     assert ops.supports("attention", torch.bfloat16, 128)
     assert not ops.supports("attention", torch.float16, 512)
@@ -482,5 +551,6 @@ def test_supports():
     assert ops.supports("moe", torch.bfloat16)
     assert not ops.supports("moe", torch.int32)
     assert not ops.supports("linear")
-    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "sample", "sample_async",
-                            "deferred_bitmask"}
+    assert not ops.supports("rotary_attention", torch.float16, 512)  # attention's limits
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "rotary_attention", "sample",
+                            "sample_async", "deferred_bitmask"}

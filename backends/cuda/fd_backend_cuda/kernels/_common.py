@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,6 +40,41 @@ def _sm_count(index: int) -> int:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+PDL_VARIABLE = "FD_CUDA_PDL"
+
+
+def pdl(device: torch.device) -> dict:
+    """The launch arguments of a kernel that begins with ``pdl_start``: programmatic dependent
+    launch on sm90 and later (``FD_CUDA_PDL``, 1 by default; 0 turns it off), so the GPU
+    schedules a kernel's programs while the one before it finishes instead of after. Nothing
+    on the CPU (Triton's interpreter) or on older GPUs."""
+    if device.type != "cuda" or interpreting():
+        return {"PDL": False}
+    on = _pdl(device.index if device.index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _pdl(index: int) -> bool:
+    raw = os.environ.get(PDL_VARIABLE, "1").strip() or "1"
+    if raw not in ("0", "1"):
+        from fd_core.errors import ConfigError
+
+        raise ConfigError(f"{PDL_VARIABLE} must be 0 or 1, got {raw!r}")
+    return raw == "1" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First in a kernel launched with ``pdl``: wait until the kernel before it has finished
+    and its writes are visible (nothing is read or written before this), then let the next
+    kernel's programs be scheduled. A kernel is thus overlapped only with the next one's
+    launch and start-up, never with its memory traffic."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def check_float(name: str, t: torch.Tensor) -> None:

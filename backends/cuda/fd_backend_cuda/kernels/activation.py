@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fd_backend_cuda.kernels._common import check_float, next_pow2, rows_2d
+from fd_backend_cuda.kernels._common import check_float, next_pow2, pdl, pdl_start, rows_2d
 
 MAX_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, o_ptr, inter, x_stride, o_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, o_ptr, inter, x_stride, o_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -50,5 +51,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             BLOCK=block,
             num_warps=4 if block >= 512 else 2,
+            **pdl(x.device),
         )
     return out.reshape(*x.shape[:-1], inter)

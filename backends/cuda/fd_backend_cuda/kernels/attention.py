@@ -12,7 +12,9 @@ Kernels, in launch order (all on q's stream):
 1. ``_kv_write_kernel``, grid ``(N, cdiv(Hk, BLOCK_H))``: copies k[n], v[n] into slot
    ``slot_mapping[n]`` of both caches, cast to the cache's dtype or quantized to its format (a
    negative slot is skipped, as padding tokens are in vLLM). It must finish before (2) reads the cache: later programs of (2)
-   read new tokens that other programs' rows wrote, so it is not fused.
+   read new tokens that other programs' rows wrote, so it is not fused. For the contract's
+   ``rotary_attention`` its grid also has query-head programs (``ROTARY``): it rotates q into a
+   new tensor and k on its way to the cache, and the ``rotary`` op's launch is saved.
 
 2. ``_attention_kernel``, grid ``(items, Hk, num_splits)``. A *work item* is (sequence, first
    new token of a query block); the host builds the item list once per step. A program takes
@@ -40,8 +42,9 @@ Kernels, in launch order (all on q's stream):
 3. Split-K (flash-decoding): when a launch has fewer programs than the GPU has SMs and long
    keys, ``num_splits > 1`` cuts each program's key range into ``num_splits`` BLOCK_N-aligned
    segments, one per program along grid axis 2. Each writes its unnormalised ``(m, l, acc)``
-   to a float32 scratch, and ``_combine_kernel`` (grid ``(items, Hk)``) merges them with the
-   log-sum-exp rule and writes the output rows.
+   to a float32 scratch and counts itself in on an int32 counter of its (item, kv head); the
+   last to arrive merges them with the log-sum-exp rule, writes the output rows and resets the
+   counter (``_merge_splits``), so split-K costs no second launch.
 
 A quantized cache (per block, a plane of int8 or uint8 values and a plane of float16 scales,
 fd_core.quantization.kv_cache) is read as values converted to q's dtype (exact for int8 and
@@ -63,7 +66,7 @@ import triton.language as tl
 from fd_core.quantization.kv_cache import KV_QUANTIZED, STORAGE_FORMAT
 from fd_core.runtimes.torch import ops as torch_ops
 
-from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2, sm_count
+from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2, pdl, pdl_start, sm_count
 
 LOG2E = 1.4426950408889634
 
@@ -82,14 +85,49 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def _rotated(x_ptr, rows, d, mask, cs_row, half, rot, IS_NEOX: tl.constexpr):
+    """``[H, D]`` rows at ``x_ptr + rows`` (offsets of each head's first element) rotated as
+    the ``rotary`` kernel rotates them, float32: element ``d`` pairs with ``d +- R/2`` (neox)
+    or ``d ^ 1`` (interleaved); dims from ``R`` on pass through."""
+    x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if IS_NEOX:
+        first = d < half
+        partner = tl.where(first, d + half, d - half)
+        angle = tl.where(first, d, d - half)
+    else:
+        first = d % 2 == 0
+        partner = d ^ 1
+        angle = d // 2
+    turning = d < rot
+    other = tl.load(x_ptr + rows[:, None] + partner[None, :], mask=mask & turning[None, :], other=0.0).to(tl.float32)
+    cos = tl.load(cs_row + angle, mask=turning, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row + half + angle, mask=turning, other=0.0).to(tl.float32)
+    xc = x * cos[None, :]
+    os = other * sin[None, :]
+    return tl.where(first[None, :], xc - os, xc + os)
+
+
+@triton.jit
 def _kv_write_kernel(
     k_ptr,
     v_ptr,
     kc_ptr,
     vc_ptr,
     slot_ptr,
+    pos_ptr,
+    cs_ptr,
+    q_ptr,
+    qo_ptr,
+    num_q_heads,
     num_kv_heads,
     head_dim,
+    half,
+    rot,
+    cs_stride,
+    q_sn,
+    q_sh,
+    qo_sn,
+    qo_sh,
     k_sn,
     k_sh,
     v_sn,
@@ -98,24 +136,48 @@ def _kv_write_kernel(
     kc_sh,
     vc_ss,
     vc_sh,
+    ROTARY: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     KV_QUANT: tl.constexpr,
     KV_TOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    """Token ``n``'s k and v rows into their slot. With ``ROTARY`` (1 neox, 2 interleaved: the
+    contract's ``rotary_attention``) the programs ``(n, b)`` with ``b`` below the query blocks
+    write the token's rotated query heads to ``qo`` instead, and k is rotated on its way."""
+    pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hb = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
-    src = heads[:, None] * k_sh + d[None, :]
-    kx = tl.load(k_ptr + tok * k_sn + src, mask=mask, other=0.0)
-    _store_rows(kc_ptr, slot, heads, kc_ss, kc_sh, kx.to(tl.float32), d, mask, num_kv_heads, head_dim,
-                KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
-    vx = tl.load(v_ptr + tok * v_sn + heads[:, None] * v_sh + d[None, :], mask=mask, other=0.0)
-    _store_rows(vc_ptr, slot, heads, vc_ss, vc_sh, vx.to(tl.float32), d, mask, num_kv_heads, head_dim,
-                KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
+    q_blocks = 0
+    cs_row = cs_ptr
+    if ROTARY:
+        q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+        cs_row = cs_ptr + tl.load(pos_ptr + tok).to(tl.int64) * cs_stride
+    if hb < q_blocks:
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (heads < num_q_heads)[:, None] & (d < head_dim)[None, :]
+        x = _rotated(q_ptr, tok * q_sn + heads * q_sh, d, mask, cs_row, half, rot, ROTARY == 1)
+        out = qo_ptr + tok * qo_sn + heads * qo_sh
+        tl.store(out[:, None] + d[None, :], x.to(qo_ptr.dtype.element_ty), mask=mask)
+    else:
+        heads = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
+        if ROTARY:
+            kx = _rotated(k_ptr, tok * k_sn + heads * k_sh, d, mask, cs_row, half, rot, ROTARY == 1)
+            # rounded to k's dtype first, as the rotary op's output is before the cache gets it
+            kx = kx.to(k_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            kx = tl.load(k_ptr + tok * k_sn + heads[:, None] * k_sh + d[None, :], mask=mask, other=0.0)
+            kx = kx.to(tl.float32)
+        _store_rows(kc_ptr, slot, heads, kc_ss, kc_sh, kx, d, mask, num_kv_heads, head_dim,
+                    KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
+        vx = tl.load(v_ptr + tok * v_sn + heads[:, None] * v_sh + d[None, :], mask=mask, other=0.0)
+        _store_rows(vc_ptr, slot, heads, vc_ss, vc_sh, vx.to(tl.float32), d, mask, num_kv_heads, head_dim,
+                    KV_BLOCK_SIZE, KV_QUANT, KV_TOP)
 
 
 # A quantized cache (fd_core.quantization.kv_cache): each block of KV_BLOCK_SIZE slots is a plane
@@ -250,6 +312,7 @@ def _attention_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    count_ptr,
     item_seq_ptr,
     item_tok_ptr,
     qsl_ptr,
@@ -280,7 +343,9 @@ def _attention_kernel(
     KV_QUANT: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -354,64 +419,48 @@ def _attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        idx = ((split * num_items + item) * num_kv_heads + kvh).to(tl.int64) * BLOCK_M + r
+        pair = item * num_kv_heads + kvh
+        idx = (split * num_items * num_kv_heads + pair).to(tl.int64) * BLOCK_M + r
         tl.store(part_m_ptr + idx, m_i)
         tl.store(part_l_ptr + idx, l_i)
         tl.store(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], acc)
+        # The last of the (item, kv head)'s splits to get here merges them, instead of a
+        # combine kernel after this one: one launch less a layer wherever decodes split (batch
+        # 1: a graph node and ~2 us a layer). The barrier makes every thread's partial stores
+        # precede the counter's release; the merge reads the partials from L2 (.cg), never
+        # from an L1 line an earlier step left; it resets the counter for the next launch.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pair, num_items * num_kv_heads,
+                          row_off, head, row_ok, d, d_ok, o_sn, o_sh, BLOCK_D, BLOCK_M, NUM_SPLITS)
+            tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["num_items"])
-def _combine_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    out_ptr,
-    item_seq_ptr,
-    item_tok_ptr,
-    qsl_ptr,
-    num_items,
-    num_kv_heads,
-    o_sn,
-    o_sh,
-    G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    item = tl.program_id(0)
-    kvh = tl.program_id(1)
-    BLOCK_Q: tl.constexpr = BLOCK_M // G
-    seq = tl.load(item_seq_ptr + item)
-    tok0 = tl.load(item_tok_ptr + item)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+@triton.jit
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, pair, pairs, row_off, head, row_ok, d, d_ok,
+                  o_sn, o_sh, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merge the splits' ``(m, l, acc)`` of one (item, kv head) by the log-sum-exp rule and
+    write its output rows."""
     r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    tok = tok0 + r // G
-    head = kvh * G + r % G
-    row_ok = (r < BLOCK_Q * G) & (tok < q_len)
-
-    base = (item * num_kv_heads + kvh).to(tl.int64) * BLOCK_M + r
-    split_stride = num_items * num_kv_heads * BLOCK_M  # small: splits * items * Hk * BLOCK_M
+    base = pair.to(tl.int64) * BLOCK_M + r
+    split_stride = pairs.to(tl.int64) * BLOCK_M
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(part_m_ptr + s * split_stride + base))
+        m = tl.maximum(m, tl.load(part_m_ptr + s * split_stride + base, cache_modifier=".cg"))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for s in range(NUM_SPLITS):
         idx = s * split_stride + base
-        w = tl.exp2(tl.load(part_m_ptr + idx) - m_safe)
-        l_sum += w * tl.load(part_l_ptr + idx)
-        acc += w[:, None] * tl.load(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :])
+        w = tl.exp2(tl.load(part_m_ptr + idx, cache_modifier=".cg") - m_safe)
+        l_sum += w * tl.load(part_l_ptr + idx, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
     l_sum = tl.where(l_sum == 0.0, 1.0, l_sum)
-    out = acc / l_sum[:, None]
-    row_off = (q_start + tok).to(tl.int64)
     tl.store(
         out_ptr + row_off[:, None] * o_sn + head[:, None] * o_sh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & (d < HEAD_DIM)[None, :],
+        (acc / l_sum[:, None]).to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
     )
 
 
@@ -442,7 +491,8 @@ class Launch:
     num_warps: int
     num_stages: int
     split_mask: bool = False  # the unmasked loop below the diagonal (SPLIT_MASK_KEYS)
-    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
+    # split-K's partial (m, l, acc) and arrival counts, made by the first call
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
 def _upload(array: np.ndarray, dtype: np.dtype, device: torch.device) -> torch.Tensor:
@@ -719,35 +769,61 @@ def write_kv_cache(
     """``key_cache[slot_mapping[n]] = k[n]`` (and v), cast to the cache dtype or quantized to
     its format (an int8 / uint8 cache, laid out in planes per block of ``block_size`` slots);
     slot < 0 skips."""
+    _write(None, k, v, key_cache, value_cache, slot_mapping, block_size)
+
+
+def rotary_write_kv_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    style: str,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """``rotary`` then ``write_kv_cache`` in one launch: the rotated q (a new tensor), with the
+    rotated k and v written to their slots."""
+    head_dim = q.shape[2]
+    rot = cos_sin.shape[-1]
+    if style not in ("neox", "interleaved"):
+        raise ValueError(f"unknown rotary style {style!r}")
+    if rot % 2 or rot == 0 or rot > head_dim:
+        raise ValueError(f"rotary: need even R <= D, got R={rot}, D={head_dim}")
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
+    positions = positions if positions.is_contiguous() else positions.contiguous()
+    _write((positions, cos_sin, style, q, qo), k, v, key_cache, value_cache, slot_mapping, block_size)
+    return qo
+
+
+def _write(rotary, k, v, key_cache, value_cache, slot_mapping, block_size) -> None:
+    """``_kv_write_kernel``'s launch; ``rotary``: ``(positions, cos_sin, style, q, qo)`` or None."""
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
+    positions, cos_sin, style, q, qo = rotary or (slot_mapping, k, "", k, k)  # unread without rotary
+    num_q_heads = q.shape[1] if rotary else 0
+    rot = cos_sin.shape[-1] if rotary else 0
     block_d = next_pow2(head_dim)
-    block_h = max(1, min(next_pow2(num_kv_heads), max(1, 4096 // block_d)))
-    grid = (tokens, triton.cdiv(num_kv_heads, block_h))
+    block_h = max(1, min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 4096 // block_d)))
+    grid = (tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     _kv_write_kernel[grid](
-        k,
-        v,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        num_kv_heads,
-        head_dim,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        value_cache.stride(0),
-        value_cache.stride(1),
+        k, v, key_cache, value_cache, slot_mapping, positions, cos_sin, q, qo,
+        num_q_heads, num_kv_heads, head_dim, rot // 2, rot, cos_sin.stride(0),
+        q.stride(0), q.stride(1), qo.stride(0), qo.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
+        ROTARY={"": 0, "neox": 1, "interleaved": 2}[style],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         KV_BLOCK_SIZE=int(block_size),
         KV_QUANT=KV_FORMATS.get(key_cache.dtype, 0),
         KV_TOP=KV_TOPS.get(key_cache.dtype, 0.0),
         num_warps=4 if block_h * block_d >= 1024 else 2,
-    )
+        **pdl(k.device),
+    )  # fmt: skip
 
 
 def _check(q, k, v, key_cache, value_cache) -> None:
@@ -796,10 +872,13 @@ def paged_attention(
     meta,
     scale: float,
     num_splits: int | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor, str] | None = None,
 ) -> torch.Tensor:
     """The contract's ``attention``: writes k/v into the cache, returns ``[N, Hq, D]`` in q's dtype.
 
     ``num_splits`` forces the split-K factor (for tests); None lets the planner choose.
+    ``rotary``: ``(positions, cos_sin, style)``, the contract's ``rotary_attention``: q and k
+    are rotated first, in the kernel that writes the cache.
     """
     key_cache, value_cache = kv_cache
     _check(q, k, v, key_cache, value_cache)
@@ -811,7 +890,12 @@ def paged_attention(
     if tokens == 0:
         return out
     st = step_tensors(meta, device)
-    write_kv_cache(k, v, key_cache, value_cache, st.slot_mapping, meta.block_size)
+    if rotary is None:
+        write_kv_cache(k, v, key_cache, value_cache, st.slot_mapping, meta.block_size)
+    else:
+        positions, cos_sin, style = rotary
+        q = rotary_write_kv_cache(positions, q, k, v, cos_sin, style, key_cache, value_cache, st.slot_mapping,
+                                  meta.block_size)
 
     # Float32 dot operands when q is float32 or q and the cache differ in dtype ("wide": smaller
     # tiles). The interpreter also needs them for bfloat16: it runs tl.dot on the raw 16-bit
@@ -834,10 +918,12 @@ def paged_attention(
                     torch.empty(rows, dtype=torch.float32, device=device),
                     torch.empty(rows, dtype=torch.float32, device=device),
                     torch.empty(rows * block_d, dtype=torch.float32, device=device),
+                    # splits arrived per (item, kv head); the merging program zeroes its own
+                    torch.zeros(launch.num_items * num_kv_heads, dtype=torch.int32, device=device),
                 )
-            part_m, part_l, part_acc = launch.scratch
+            part_m, part_l, part_acc, counts = launch.scratch
         else:
-            part_m = part_l = part_acc = out  # unused
+            part_m = part_l = part_acc = counts = out  # unused
         grid = (launch.num_items, num_kv_heads, splits)
         _attention_kernel[grid](
             q,
@@ -847,6 +933,7 @@ def paged_attention(
             part_m,
             part_l,
             part_acc,
+            counts,
             launch.item_seq,
             launch.item_tok,
             st.query_start_loc,
@@ -879,28 +966,10 @@ def paged_attention(
             SPLIT_MASK=launch.split_mask,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages,
+            **pdl(device),
         )
-        if splits > 1:
-            _combine_kernel[(launch.num_items, num_kv_heads)](
-                part_m,
-                part_l,
-                part_acc,
-                out,
-                launch.item_seq,
-                launch.item_tok,
-                st.query_start_loc,
-                launch.num_items,
-                num_kv_heads,
-                out.stride(0),
-                out.stride(1),
-                G=group,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_M=launch.block_m,
-                NUM_SPLITS=splits,
-                num_warps=4,
-            )
     return out
 
 
-__all__ = ["MixedPlan", "paged_attention", "plan_launches", "static_step_tensors", "step_tensors", "write_kv_cache"]
+__all__ = ["MixedPlan", "paged_attention", "plan_launches", "rotary_write_kv_cache", "static_step_tensors", "step_tensors",
+           "write_kv_cache"]

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2, sm_count
+from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2, pdl, pdl_start, sm_count
 
 MAX_ROWS = 4
 
@@ -57,7 +57,8 @@ class Config(NamedTuple):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
     # up to four rows of x, one accumulator each (unused ones are folded away at compile time)
@@ -116,7 +117,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     UPCAST: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     # the weight tile is the dot's A operand, x's rows (zero-padded to 16) its B columns; Triton
     # pipelines the tiles through shared memory (num_stages)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,12 +209,12 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
             x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             EVEN_K=k % config.block_k == 0, UPCAST=interpreting(), num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            num_stages=config.num_stages, **pdl(x2.device))
         return y
     rows = 1 if m == 1 else 2 if m == 2 else 4
     _gemv_kernel[grid](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k,
-        num_warps=config.num_warps, num_stages=1)
+        num_warps=config.num_warps, num_stages=1, **pdl(x2.device))
     return y

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fd_backend_cuda.kernels._common import check_float, next_pow2, rows_2d
+from fd_backend_cuda.kernels._common import check_float, next_pow2, pdl, pdl_start, rows_2d
 
 # Widest row held in registers by one program (8192 fp32 values over 8 warps: 32 a thread).
 MAX_BLOCK = 8192
@@ -38,7 +38,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     y_row = y_ptr + row * y_stride
@@ -130,6 +132,7 @@ def rms_norm(
             BLOCK=block,
             SINGLE=block >= hidden,
             num_warps=_num_warps(block),
+            **pdl(x.device),
         )
     y = y.reshape(x.shape)
     if residual is None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fd_backend_cuda.kernels._common import check_float, next_pow2
+from fd_backend_cuda.kernels._common import check_float, next_pow2, pdl, pdl_start
 
 STYLES = ("neox", "interleaved")
 
@@ -113,7 +113,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -203,5 +205,6 @@ def rotary(
         BLOCK_HALF=block_half,
         BLOCK_PASS=block_pass,
         num_warps=4 if block_h * block_half >= 1024 else 2,
+        **pdl(q.device),
     )
     return qo, ko
