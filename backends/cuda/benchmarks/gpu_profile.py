@@ -65,6 +65,27 @@ def throughput(llm: LLM) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
 
+def host_speed() -> str:
+    """Where this thread runs and how fast its CPU runs plain Python now: the CPU it is on, that
+    CPU's clock as /proc/cpuinfo reports it, and the best of five timings of a fixed loop. A
+    decode step's host time has been seen to differ ~1.4x between processes of the same code on
+    one machine type; this tells a slower CPU from anything else."""
+    with open("/proc/thread-self/stat") as f:
+        cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+    mhz = "?"
+    with open("/proc/cpuinfo") as f:
+        for block in f.read().split("\n\n"):
+            fields = {k.strip(): v for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
+            if fields.get("processor", "").strip() == str(cpu):
+                mhz = fields.get("cpu MHz", "?").strip()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        sum(i * i for i in range(100_000))
+        best = min(best, time.perf_counter() - start)
+    return f"thread on CPU {cpu} at {mhz} MHz, a fixed Python loop {best * 1e3:.2f} ms"
+
+
 def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
     engine = llm.engine
     prompts = e2e.prompts(batch, 128, 1)
@@ -85,7 +106,8 @@ def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
             wall = (time.perf_counter() - start) * 1e6
         steps = params.max_tokens - 1  # the decode steps: the prefill made each sequence's first token
         if activities is None:
-            print(f"==== batch {batch}, unprofiled: {wall / steps:.1f} µs per decode step over {steps} steps")
+            print(f"==== batch {batch}, unprofiled: {wall / steps:.1f} µs per decode step over {steps} steps "
+                  f"({host_speed()})")
             continue
         if python is not None:
             print(f"---- cProfile of the {steps} decode steps' Python (by own time; {wall / steps:.0f} µs a step "
