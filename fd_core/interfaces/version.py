@@ -49,9 +49,10 @@ API_VERSION = "1.19.0"
 #      step's input ids can come from the previous step's sample on every rank
 # 1.18: a wrap_forward replacement's optional attach_head / with_head: a decode step's forward
 #      and the model's head (the logits of every row) in one call, e.g. one captured graph
-# 1.19: the optional rotary_attention op (rotary then attention in one call, so a backend may
-#      rotate q and k in the kernel that writes the KV cache), used where the package that made
-#      it also serves the rotary and attention chosen
+# 1.19: the optional fused ops rotary_attention (rotary then attention in one call, so a backend
+#      may rotate q and k in the kernel that writes the KV cache) and silu_and_mul_linear (a dense
+#      MLP's activation and down projection), each used where the package that made it also
+#      serves the parts chosen (FUSED_OPS)
 
 
 def _parse(version: str) -> tuple[int, int, int]:

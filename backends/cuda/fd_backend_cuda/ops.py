@@ -16,6 +16,8 @@ every op not listed in ``OPS``, to the reference implementation.
   step into ``meta.device``.
 * ``rotary_attention``: ``attention`` with q and k rotated by the kernel that writes the cache
   (``rotary``'s inputs and styles); a launch less per layer.
+* ``silu_and_mul_linear`` (float16 / bfloat16): at one row with a plain weight, the few-row
+  linear kernel forms ``silu(gate) * up`` as it reads its input; otherwise the two ops.
 * ``linear`` for plain float16 / bfloat16 weights: the few-row kernel (``kernels/gemv.py``) for
   one to four rows (decode steps of one to four sequences), where it beat cuBLAS on an H200
   (``benchmarks/bench_gemv.py``), cuBLAS for everything else; registered apart from ``OPS``
@@ -78,6 +80,10 @@ SUPPORTED: dict[str, dict] = {
         "note": "neox | interleaved; any even R <= D; returns new q, k",
     },
     "silu_and_mul": {"dtypes": FLOAT_DTYPES, "note": "any even last dim"},
+    "silu_and_mul_linear": {
+        "dtypes": frozenset({torch.float16, torch.bfloat16}),
+        "note": "one row, plain weight: the few-row linear computes the activation as it reads x; else the two",
+    },
     "attention": {
         "dtypes": FLOAT_DTYPES,
         "max_head_dim": MAX_HEAD_DIM,
@@ -173,6 +179,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _torch_linear(x, weight, bias)
 
 
+def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``linear(silu_and_mul(x), weight, bias)``. One row (a decode step of one sequence) with
+    a plain 16-bit weight: one launch, the few-row kernel forming ``silu(gate) * up`` as it
+    reads x (``gemv(..., silu=True)``), which saves the activation's launch of each dense
+    layer. Anything else runs the two ops."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (x2.shape[0] == 1 and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and x2.shape[1] == 2 * weight.shape[1] and _gemv.supports(x2[:, : weight.shape[1]], weight)):
+        return _gemv.gemv(x2, weight, bias, silu=True).reshape(*x.shape[:-1], weight.shape[0])
+    return linear(silu_and_mul(x), weight, bias)
+
+
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     return _sample(logits, batch)
 
@@ -185,6 +203,7 @@ OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotary": rotary,
     "silu_and_mul": silu_and_mul,
+    "silu_and_mul_linear": silu_and_mul_linear,
     "attention": attention,
     "rotary_attention": rotary_attention,
     "sample": sample,

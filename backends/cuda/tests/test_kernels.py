@@ -544,6 +544,29 @@ def test_programmatic_dependent_launch_setting(monkeypatch):
         _common._pdl.__wrapped__(0)
 
 
+def test_kernels_launched_with_pdl_touch_nothing_before_waiting():
+    """Every kernel with a ``PDL`` parameter begins with ``pdl_start(PDL)`` (after its
+    docstring): under programmatic dependent launch it may be running while the kernel before
+    it still is, and only that wait orders its loads and stores after that kernel's."""
+    import ast
+    import inspect
+
+    from fd_backend_cuda import kernels
+
+    found = []
+    for path in sorted(Path(inspect.getfile(kernels)).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
+                body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+                if node.name == "pdl_start":
+                    continue
+                found.append(node.name)
+                first = body[0]
+                assert isinstance(first, ast.Expr) and ast.unparse(first) == "pdl_start(PDL)", (path.name, node.name)
+    assert {"_rms_norm_kernel", "_gemv_kernel", "_gemv_dot_kernel", "_kv_write_kernel", "_attention_kernel",
+            "_silu_and_mul_kernel", "_rotary_kernel"} <= set(found)
+
+
 def test_supports():
     assert ops.supports("attention", torch.bfloat16, 128)
     assert not ops.supports("attention", torch.float16, 512)
@@ -552,5 +575,6 @@ def test_supports():
     assert not ops.supports("moe", torch.int32)
     assert not ops.supports("linear")
     assert not ops.supports("rotary_attention", torch.float16, 512)  # attention's limits
-    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "attention", "rotary_attention", "sample",
-                            "sample_async", "deferred_bitmask"}
+    assert not ops.supports("silu_and_mul_linear", torch.float32)  # float32 linears stay on cuBLAS
+    assert set(ops.OPS) == {"rms_norm", "rotary", "silu_and_mul", "silu_and_mul_linear", "attention",
+                            "rotary_attention", "sample", "sample_async", "deferred_bitmask"}

@@ -57,7 +57,7 @@ class Config(NamedTuple):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
@@ -93,9 +93,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             # layout and a trip through shared memory every step; ptxas drops the repeated loads
             x_tile = tl.broadcast_to(x_row + rk[None, :], (BLOCK_N, BLOCK_K))
             if EVEN_K:
-                part = w * tl.load(x_tile).to(tl.float32)
+                xv = tl.load(x_tile)
             else:
-                part = w * tl.load(x_tile, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                xv = tl.load(x_tile, mask=k_ok[None, :], other=0.0)
+            if SILU:  # x's row is [gate | up]: silu(gate) * up, rounded as silu_and_mul rounds it
+                if EVEN_K:
+                    up = tl.load(x_tile + K).to(tl.float32)
+                else:
+                    up = tl.load(x_tile + K, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                gate = xv.to(tl.float32)
+                xv = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+            part = w * xv.to(tl.float32)
             if r == 0:
                 acc0 += part
             elif r == 1:
@@ -191,10 +199,12 @@ def supports(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Config | None = None) -> torch.Tensor:
+         config: Config | None = None, silu: bool = False) -> torch.Tensor:
     """``x2 [m, K] @ weight[N, K].T (+ bias[N])`` -> ``[m, N]`` in x's dtype, for operands that
-    ``supports`` accepts; ``config`` overrides ``choose_config`` (for benchmarks)."""
-    m, k = x2.shape
+    ``supports`` accepts; ``config`` overrides ``choose_config`` (for benchmarks). ``silu``: x2
+    is ``[m, 2K]``, gate then up, and the product is with ``silu(gate) * up`` rounded to x's
+    dtype (the contract's ``silu_and_mul_linear``; one row: the CUDA-core kernel only)."""
+    m, k = x2.shape[0], weight.shape[1]
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if n == 0:
@@ -204,6 +214,8 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is not None:
         bias = bias.contiguous()
     grid = (triton.cdiv(n, config.block_n),)
+    if silu and (m != 1 or config.dot):
+        raise ValueError("gemv: silu is fused for one row on the CUDA-core kernel only")
     if config.dot:
         _gemv_dot_kernel[grid](
             x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
@@ -215,6 +227,6 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     _gemv_kernel[grid](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k,
+        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k, SILU=silu,
         num_warps=config.num_warps, num_stages=1, **pdl(x2.device))
     return y
