@@ -567,6 +567,26 @@ def test_kernels_launched_with_pdl_touch_nothing_before_waiting():
             "_silu_and_mul_kernel", "_rotary_kernel"} <= set(found)
 
 
+def test_silu_and_mul_linear_fuses_small_weights_at_one_row_only(monkeypatch):
+    """One row and a weight within ``FUSED_SILU_MAX_BYTES``: one fused launch; a larger weight
+    or more rows: the activation kernel, then the linear. The same product either way."""
+    calls = []
+    real = ops._gemv.gemv
+    monkeypatch.setattr(ops._gemv, "gemv", lambda *a, **k: calls.append(k.get("silu", False)) or real(*a, **k))
+    x, w = rand((1, 64), torch.bfloat16, 1), rand((16, 32), torch.bfloat16, 2, scale=32**-0.5)
+    want = host(ops.linear(ops.silu_and_mul(x), w))
+    calls.clear()
+    close(ops.silu_and_mul_linear(x, w), want, tol("linear", torch.bfloat16))
+    assert calls == [True]
+    monkeypatch.setattr(ops, "FUSED_SILU_MAX_BYTES", w.numel() * w.element_size() - 1)
+    calls.clear()
+    close(ops.silu_and_mul_linear(x, w), want, tol("linear", torch.bfloat16))
+    assert calls == [False]
+    calls.clear()
+    ops.silu_and_mul_linear(rand((2, 64), torch.bfloat16, 3), w)
+    assert calls == [False]
+
+
 def test_supports():
     assert ops.supports("attention", torch.bfloat16, 128)
     assert not ops.supports("attention", torch.float16, 512)
