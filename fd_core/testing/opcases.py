@@ -25,6 +25,7 @@ from fd_core.interfaces import (
     SampleOutput,
 )
 from fd_core.interfaces.ops import SamplingBatch, pack_token_bitmask
+from fd_core.models.rope import cos_sin_table
 from fd_core.plugins.ops import op_context
 from fd_core.quantization.host import upload_quantized
 from fd_core.quantization.kv_cache import KV_QUANTIZED, quantized_cache
@@ -146,9 +147,7 @@ def _rotary(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     positions, pos = dev.put(rng.integers(0, 300, n).astype(np.int64))
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))
-    inv = 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot)
-    angles = np.arange(512)[:, None] * inv[None, :]
-    table, th = dev.put(np.concatenate([np.cos(angles), np.sin(angles)], -1).astype(np.float32), "float32")
+    table, th = dev.put(cos_sin_table(rot, 512, 10000.0), "float32")
     out = fn(positions, q, k, table, style)
     want_q, want_k = spec.rotary(pos, qh, kh, th, style)
     compare(case, impl, "q", dev.get(out[0]), want_q)
@@ -252,14 +251,13 @@ def _rotary_attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> Non
     (hq, hk), d, rot, style = p["heads"], case.head_dim, p["rotary_dim"], p["style"]
     meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
     n = int(meta.query_start_loc[-1])
-    positions, pos = dev.put((meta.context_lens.repeat(np.diff(meta.query_start_loc))
-                              + np.arange(n) - np.repeat(meta.query_start_loc[:-1], np.diff(meta.query_start_loc))))
+    qlens = meta.query_lens
+    positions, pos = dev.put(np.repeat(meta.context_lens, qlens) + np.arange(n)
+                             - np.repeat(meta.query_start_loc[:-1], qlens))  # each new token's
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))
     v, vh = dev.put(_randn(rng, n, hk, d))
-    inv = 1.0 / 10000.0 ** (np.arange(0, rot, 2) / rot)
-    angles = np.arange(512)[:, None] * inv[None, :]
-    table, th = dev.put(np.concatenate([np.cos(angles), np.sin(angles)], -1).astype(np.float32), "float32")
+    table, th = dev.put(cos_sin_table(rot, 512, 10000.0), "float32")
     (kc, kch), (vc, vch) = dev.put(key_cache), dev.put(value_cache)
     scale = d**-0.5
     out = fn(positions, q, k, v, table, style, (kc, vc), meta, scale)
@@ -462,8 +460,9 @@ def _token_logprobs(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
 
 RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "rotary": _rotary, "linear": _linear,
-    "silu_and_mul": _silu_and_mul, "silu_and_mul_linear": _silu_and_mul_linear, "attention": _attention, "rotary_attention": _rotary_attention, "moe": _moe, "sample": _sample,
-    "sample_async": _sample, "token_logprobs": _token_logprobs,
+    "silu_and_mul": _silu_and_mul, "silu_and_mul_linear": _silu_and_mul_linear, "attention": _attention,
+    "rotary_attention": _rotary_attention, "moe": _moe, "sample": _sample, "sample_async": _sample,
+    "token_logprobs": _token_logprobs,
 }
 
 

@@ -34,11 +34,12 @@ the next replay.
 
 The split-K factor of a bucket's attention is fixed at capture for the longest sequence the
 engine allows (``max_model_len``); a shorter sequence leaves some splits empty, which the
-combine step ignores.
+merge of the splits ignores.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from typing import Any, Callable
 
@@ -84,6 +85,12 @@ def mixed_graph_tokens(limits: RunnerLimits) -> int:
     if cap < 0:
         raise ConfigError(f"FD_CUDA_MIXED_GRAPH_TOKENS must be 0 (off) or more, got {cap}")
     return min(cap, limits.max_num_batched_tokens)
+
+
+def _smallest(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending ``sizes`` that holds ``n`` (None: none does)."""
+    at = bisect.bisect_left(sizes, n)
+    return sizes[at] if at < len(sizes) else None
 
 
 def _captured(run: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -259,16 +266,10 @@ class GraphedForward:
         self.graphs.clear()
 
     def mixed_bucket(self, num_tokens: int) -> int | None:
-        for size in self.mixed_sizes:
-            if size >= num_tokens:
-                return size
-        return None
+        return _smallest(self.mixed_sizes, num_tokens)
 
     def bucket(self, num_seqs: int, q: int = 1) -> int | None:
-        for size in self.sizes if q == 1 else self.verify_sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return _smallest(self.sizes if q == 1 else self.verify_sizes, num_seqs)
 
     def warm_up(self, kv_caches: list, device: str | torch.device) -> None:
         """Capture every bucket now that the KV cache exists, largest first (the pool then

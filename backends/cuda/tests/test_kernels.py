@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda,
 from fd_core.errors import ConfigError
 from fd_core.interfaces.ops import AttentionMetadata
 from fd_core.quantization.kv_cache import quantized_cache, write_slots
+from fd_core.models import rope
 from fd_core.testing import spec
 
 from fd_backend_cuda import ops
@@ -115,10 +116,7 @@ def test_rms_norm_strided_rows():
 
 
 def cos_sin_table(positions: int, rot: int, base: float = 10000.0) -> torch.Tensor:
-    inv_freq = 1.0 / base ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
-    angles = np.arange(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
-    return torch.from_numpy(table).to(DEVICE)
+    return torch.from_numpy(rope.cos_sin_table(rot, positions, base)).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -450,9 +448,10 @@ def run_quantized_cache(seqs, heads, head_dim, block_size, dtype, kv, seed=0, nu
 def test_rotary_attention_is_rotary_then_attention(dtype, style, heads, head_dim, rot, kv):
     """The fused op (q and k rotated by the kernel that writes the cache) gives what the rotary
     op and then attention give: q and k read as slices of one fused qkv output, a partial
-    rotary dim, a quantized cache. Bit for bit in the interpreter; on a GPU the compiler may
-    contract the rotation's products into FMAs differently in the two kernels (an H200 did in
-    float32), so there the output and cache agree within the rounding of the rotation."""
+    rotary dim, a quantized cache. Both kernels rotate with ``rotary.rotated``: bit for bit in
+    the interpreter. On a GPU, within the rounding of the rotation: when the two kernels had
+    rotations of their own, an H200 contracted them into FMAs differently in float32, and the
+    shared one has not run on a GPU yet to show the compiler treats it alike in both."""
     hq, hk = heads
     seqs = SCENARIOS["mixed"]
     num_blocks = sum(-(-(c + q) // 4) for c, q in seqs) + 3

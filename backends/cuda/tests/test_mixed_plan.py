@@ -131,6 +131,8 @@ def test_mixed_buckets_and_their_knob(monkeypatch):
                                                 6144, 8192]
     assert graphs.mixed_capture_sizes(1000) == [64, 128, 256, 384, 512, 768, 1000]
     assert graphs.mixed_capture_sizes(0) == []
+    sizes = graphs.mixed_capture_sizes(1000)  # a step replays the smallest bucket that holds it
+    assert [graphs._smallest(sizes, n) for n in (1, 64, 65, 999, 1000, 1001)] == [64, 64, 128, 1000, 1000, None]
 
     class Limits:
         max_num_batched_tokens = 2048

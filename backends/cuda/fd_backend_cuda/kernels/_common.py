@@ -30,7 +30,11 @@ def sm_count(device: torch.device, otherwise: int = 1) -> int:
     tensor's (Triton's interpreter), where launch plans only need a plausible figure."""
     if device.type != "cuda":
         return otherwise
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
@@ -52,7 +56,7 @@ def pdl(device: torch.device) -> dict:
     on the CPU (Triton's interpreter) or on older GPUs."""
     if device.type != "cuda" or interpreting():
         return {"PDL": False}
-    on = _pdl(device.index if device.index is not None else torch.cuda.current_device())
+    on = _pdl(_index(device))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

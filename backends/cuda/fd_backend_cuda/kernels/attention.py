@@ -67,6 +67,7 @@ from fd_core.quantization.kv_cache import KV_QUANTIZED, STORAGE_FORMAT
 from fd_core.runtimes.torch import ops as torch_ops
 
 from fd_backend_cuda.kernels._common import check_float, interpreting, next_pow2, pdl, pdl_start, sm_count
+from fd_backend_cuda.kernels.rotary import check_table, rotate_heads, rotated
 
 LOG2E = 1.4426950408889634
 
@@ -82,29 +83,6 @@ MAX_SPLITS = 32
 
 
 # --- kernels -----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rotated(x_ptr, rows, d, mask, cs_row, half, rot, IS_NEOX: tl.constexpr):
-    """``[H, D]`` rows at ``x_ptr + rows`` (offsets of each head's first element) rotated as
-    the ``rotary`` kernel rotates them, float32: element ``d`` pairs with ``d +- R/2`` (neox)
-    or ``d ^ 1`` (interleaved); dims from ``R`` on pass through."""
-    x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    if IS_NEOX:
-        first = d < half
-        partner = tl.where(first, d + half, d - half)
-        angle = tl.where(first, d, d - half)
-    else:
-        first = d % 2 == 0
-        partner = d ^ 1
-        angle = d // 2
-    turning = d < rot
-    other = tl.load(x_ptr + rows[:, None] + partner[None, :], mask=mask & turning[None, :], other=0.0).to(tl.float32)
-    cos = tl.load(cs_row + angle, mask=turning, other=1.0).to(tl.float32)
-    sin = tl.load(cs_row + half + angle, mask=turning, other=0.0).to(tl.float32)
-    xc = x * cos[None, :]
-    os = other * sin[None, :]
-    return tl.where(first[None, :], xc - os, xc + os)
 
 
 @triton.jit
@@ -158,16 +136,14 @@ def _kv_write_kernel(
         cs_row = cs_ptr + tl.load(pos_ptr + tok).to(tl.int64) * cs_stride
     if hb < q_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (heads < num_q_heads)[:, None] & (d < head_dim)[None, :]
-        x = _rotated(q_ptr, tok * q_sn + heads * q_sh, d, mask, cs_row, half, rot, ROTARY == 1)
-        out = qo_ptr + tok * qo_sn + heads * qo_sh
-        tl.store(out[:, None] + d[None, :], x.to(qo_ptr.dtype.element_ty), mask=mask)
+        rotate_heads(q_ptr, qo_ptr, tok, heads, num_q_heads, q_sn, q_sh, qo_sn, qo_sh, d, head_dim, cs_row, half,
+                     rot, ROTARY == 1, False)
     else:
         heads = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
         if ROTARY:
-            kx = _rotated(k_ptr, tok * k_sn + heads * k_sh, d, mask, cs_row, half, rot, ROTARY == 1)
+            kx = rotated(k_ptr, tok * k_sn + heads * k_sh, d, mask, cs_row, half, rot, ROTARY == 1)
             # rounded to k's dtype first, as the rotary op's output is before the cache gets it
             kx = kx.to(k_ptr.dtype.element_ty).to(tl.float32)
         else:
@@ -786,12 +762,7 @@ def rotary_write_kv_cache(
 ) -> torch.Tensor:
     """``rotary`` then ``write_kv_cache`` in one launch: the rotated q (a new tensor), with the
     rotated k and v written to their slots."""
-    head_dim = q.shape[2]
-    rot = cos_sin.shape[-1]
-    if style not in ("neox", "interleaved"):
-        raise ValueError(f"unknown rotary style {style!r}")
-    if rot % 2 or rot == 0 or rot > head_dim:
-        raise ValueError(f"rotary: need even R <= D, got R={rot}, D={head_dim}")
+    check_table(style, cos_sin.shape[-1], q.shape[2])
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cos_sin = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     positions = positions if positions.is_contiguous() else positions.contiguous()
