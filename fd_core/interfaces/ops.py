@@ -31,10 +31,7 @@ QUANTIZATION_METHODS = ("wint8", "wint4", "block_wise_fp8")
 
 # Optional ops that do the work of several: each stands in for its parts only where the package
 # that made it serves every part chosen (a pin or a fallback elsewhere keeps the parts).
-FUSED_OPS: dict[str, tuple[str, ...]] = {
-    "rotary_attention": ("rotary", "attention"),
-    "silu_and_mul_linear": ("silu_and_mul", "linear"),
-}
+FUSED_OPS: dict[str, tuple[str, ...]] = {"rotary_attention": ("rotary", "attention")}
 FP8_BLOCK = 128  # block_wise_fp8: one scale per 128 x 128 block of the weight
 
 
@@ -291,18 +288,6 @@ OP_SPECS: dict[str, OpSpec] = {
             "silu_and_mul",
             "silu_and_mul(x: T[N, 2I]) -> T[N, I]",
             "silu(x[:, :I]) * x[:, I:] (the gate is the first half).",
-        ),
-        _spec(
-            "silu_and_mul_linear",
-            "silu_and_mul_linear(x: T[N, 2I], weight: T[out, I], bias: T[out] | None = None) -> T[N, out]",
-            """
-            Optional (1.19). ``linear(silu_and_mul(x), weight, bias)``, the activation rounded to
-            x's dtype before the product, as there: a dense MLP's down projection. For a backend
-            whose linear can form the activation as it reads its input (a launch less per dense
-            layer). Used as ``rotary_attention`` is (``FUSED_OPS``), and only for plain weights:
-            a QuantizedWeight's down projection runs the two ops.
-            """,
-            optional=True,
         ),
         _spec(
             "attention",

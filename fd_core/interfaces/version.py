@@ -49,10 +49,13 @@ API_VERSION = "1.19.0"
 #      step's input ids can come from the previous step's sample on every rank
 # 1.18: a wrap_forward replacement's optional attach_head / with_head: a decode step's forward
 #      and the model's head (the logits of every row) in one call, e.g. one captured graph
-# 1.19: the optional fused ops rotary_attention (rotary then attention in one call, so a backend
-#      may rotate q and k in the kernel that writes the KV cache) and silu_and_mul_linear (a dense
-#      MLP's activation and down projection), each used where the package that made it also
-#      serves the parts chosen (FUSED_OPS)
+# 1.19: the optional fused op rotary_attention (rotary then attention in one call, so a backend
+#      may rotate q and k in the kernel that writes the KV cache), used where the package that
+#      made it also serves the parts chosen (FUSED_OPS). A second fused op added in 1.19,
+#      silu_and_mul_linear (a dense MLP's activation and down projection), was withdrawn within
+#      1.19: on an H200 (2026-11-28) cuda's fusion made a batch-1 decode step of ERNIE-4.5-0.3B
+#      slower (GPU time 544 vs 535 us with silu_and_mul then linear), every program of the fused
+#      kernel re-reading and re-activating the whole gate/up row
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -408,11 +408,7 @@ class DecoderForCausalLM:
                 hidden = self._sparse_mlp(layer.experts, x)
             else:
                 gate_up = ops.linear(x, layer.gate_up, layer.gate_up_bias)
-                if ops.has("silu_and_mul_linear") and not isinstance(layer.down, QuantizedWeight):
-                    # the backend forms the activation as its linear reads it
-                    hidden = self._row_parallel(gate_up, layer.down, layer.down_bias, ops.silu_and_mul_linear)
-                else:
-                    hidden = self._row_parallel(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+                hidden = self._row_parallel(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
@@ -428,12 +424,10 @@ class DecoderForCausalLM:
             out = out + ops.linear(ops.silu_and_mul(ops.linear(x, experts.shared_gate_up)), experts.shared_down)
         return self.tp.reduce(out) if self.tp.enabled else out
 
-    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None,
-                      linear: Callable[..., Tensor] | None = None) -> Tensor:
-        linear = linear or self.ops.linear
+    def _row_parallel(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not self.tp.enabled:
-            return linear(x, weight, bias)
-        out = self.tp.reduce(linear(x, weight))
+            return self.ops.linear(x, weight, bias)
+        out = self.tp.reduce(self.ops.linear(x, weight))
         return out if bias is None else out + bias  # once, after the ranks' partial sums
 
     def _attention(self, layer: Layer, x: Tensor, positions: Tensor, kv_cache: tuple[Tensor, Tensor],

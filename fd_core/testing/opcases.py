@@ -181,20 +181,6 @@ def _silu_and_mul(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
     compare(case, impl, "output", dev.get(fn(x)), spec.silu_and_mul(xh))
 
 
-def _silu_and_mul_linear(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
-    p = case.params
-    rng = _rng(case)
-    # activations of order 1, as a model's are: a backend's activation may round a value to
-    # the neighbouring 16-bit number of the spec's (its exp differs in the last bits), which
-    # the product then carries at the activation's scale
-    x, xh = dev.put(_randn(rng, p["n"], 2 * p["inter"]))
-    weight, wh = dev.put(_randn(rng, p["out"], p["inter"], scale=p["inter"] ** -0.5))
-    bias, bh = dev.put(_randn(rng, p["out"])) if p["bias"] else (None, None)
-    # the activation rounded to the case's dtype, as silu_and_mul's output is
-    act = dev.get(dev.put(spec.silu_and_mul(xh))[0])
-    compare(case, impl, "output", dev.get(fn(x, weight, bias)), spec.linear(act, wh, bh))
-
-
 def attention_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[AttentionMetadata, tuple[np.ndarray, np.ndarray]]:
     """A step over ``seqs`` = ``[(context_len, query_len)]`` with shuffled, non-contiguous block
@@ -460,9 +446,8 @@ def _token_logprobs(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
 
 RUNNERS: dict[str, Callable[[OpCase, Callable, Device, str], None]] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "rotary": _rotary, "linear": _linear,
-    "silu_and_mul": _silu_and_mul, "silu_and_mul_linear": _silu_and_mul_linear, "attention": _attention,
-    "rotary_attention": _rotary_attention, "moe": _moe, "sample": _sample, "sample_async": _sample,
-    "token_logprobs": _token_logprobs,
+    "silu_and_mul": _silu_and_mul, "attention": _attention, "rotary_attention": _rotary_attention, "moe": _moe,
+    "sample": _sample, "sample_async": _sample, "token_logprobs": _token_logprobs,
 }
 
 
@@ -556,11 +541,6 @@ def cases(capabilities: Capabilities, ops: set[str] | None = None) -> list[OpCas
                 params=dict(n=n, **{"in": fin, "out": fout}, bias=False))
         for n, inter in [(1, 8), (5, 64), (33, 1536)]:
             add("silu_and_mul", f"x[{n}, {2 * inter}]", params=dict(n=n, inter=inter))
-        # one row (where a backend fuses), a long one, and more rows (where it may run the two)
-        for n, inter, fout, bias in [(1, 64, 32, False), (1, 1536, 96, True), (1, 3000, 40, False),
-                                     (4, 128, 48, True), (33, 256, 64, False)]:
-            add("silu_and_mul_linear", f"x[{n}, {2 * inter}] weight[{fout}, {inter}]" + (" + bias" if bias else ""),
-                params=dict(n=n, inter=inter, out=fout, bias=bias))
         if dtype in capabilities.kv_cache_dtypes:
             for name, seqs in ATTENTION_STEPS.items():
                 if name in ("prefix", "mixed", "long") and not chunked:

@@ -39,7 +39,6 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "rotary": {"rtol": 1e-5, "atol": 1e-5},
     "linear": {"rtol": 1e-4, "atol": 1e-4},
     "silu_and_mul": {"rtol": 1e-5, "atol": 1e-6},
-    "silu_and_mul_linear": {"rtol": 1e-4, "atol": 1e-4},  # linear's
     "attention": {"rtol": 1e-4, "atol": 1e-5},
     "rotary_attention": {"rtol": 1e-4, "atol": 1e-5},  # attention's
     "moe": {"rtol": 1e-4, "atol": 1e-4},
@@ -156,11 +155,6 @@ def rotary_attention(positions: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.
     """``rotary``, then ``attention`` on its results (writes ``kv_cache`` in place)."""
     q, k = rotary(positions, q, k, cos_sin, style)
     return attention(q, k, v, kv_cache, meta, scale)
-
-
-def silu_and_mul_linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """``silu_and_mul``, then ``linear`` on its result."""
-    return linear(silu_and_mul(x), weight, bias)
 
 
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:

@@ -1,6 +1,7 @@
 """GPU kernel time of ``e2e.py``'s loads, by kernel, from ``torch.profiler``.
 
     python backends/cuda/benchmarks/gpu_profile.py [--load throughput|batch1|mixed] [--batch N] [--trace FILE]
+        [--model FOLDER]
 
 ``throughput`` (the default): 128 × 1024-token prompts, bfloat16, once for the prefill alone
 (``max_tokens=1``) and once for the whole load (128 tokens), so decode's share is the
@@ -185,8 +186,11 @@ def main() -> None:
     ap.add_argument("--load", choices=("throughput", "batch1", "mixed"), default="throughput")
     ap.add_argument("--batch", type=int, default=1, help="batch1: this many prompts decoding together")
     ap.add_argument("--trace", type=Path, default=None, help="batch1, mixed: write the timeline here")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a checkpoint folder (e.g. quantized.py's Llama-3-8B shape); default: the ERNIE-4.5-0.3B shape")
     args = ap.parse_args()
-    llm = LLM(model=str(e2e.build_model(Path("/tmp/fd-ernie-0.3b"))), device="cuda", dtype="bfloat16",
+    model = args.model or e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
+    llm = LLM(model=str(model), device="cuda", dtype="bfloat16",
               max_model_len=1300, max_num_seqs=128)
     if args.load == "batch1":
         batch1(llm, args.trace, args.batch)

@@ -11,7 +11,6 @@ synchronous engine.
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 from pathlib import Path
@@ -21,36 +20,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402
 from fd_core import LLM, SamplingParams  # noqa: E402
+from fd_core.bench.phases import PhaseTimer  # noqa: E402
 from fd_core.engine import core, executor, output_processor, scheduler  # noqa: E402
 from fd_core.engine import model_runner as runner_module  # noqa: E402
 
-spent: collections.Counter = collections.Counter()
-
-
-def timed(label: str, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            spent[label] += time.perf_counter() - start
-
-    return wrapper
+timer = PhaseTimer()
+spent = timer.spent
 
 
 def instrument(llm: LLM) -> None:
-    scheduler.Scheduler.schedule = timed("schedule", scheduler.Scheduler.schedule)
-    executor.prepare_inputs = timed("prepare_inputs", executor.prepare_inputs)
-    executor.sampling_batch = timed("sampling_batch", executor.sampling_batch)
-    runner_module.ModelRunner.run = timed("forward + logits (launch)", runner_module.ModelRunner.run)
-    core.EngineCore._apply = timed("apply tokens", core.EngineCore._apply)
-    output_processor.OutputProcessor.process = timed("detokenize / outputs", output_processor.OutputProcessor.process)
+    timer.wrap(scheduler.Scheduler, "schedule", "schedule")
+    timer.wrap(executor, "prepare_inputs", "prepare_inputs")
+    timer.wrap(executor, "sampling_batch", "sampling_batch")
+    timer.wrap(runner_module.ModelRunner, "run", "forward + logits (launch)")
+    timer.wrap(core.EngineCore, "_apply", "apply tokens")
+    timer.wrap(output_processor.OutputProcessor, "process", "detokenize / outputs")
     from fd_backend_cuda.kernels import sampling
 
     ops = llm.engine.core.ops
-    ops.sample = timed("sample (waits for the GPU)", ops.sample)  # --no-async-scheduling
-    ops.sample_async = timed("sample (launch)", ops.sample_async)
-    sampling.DeviceSample.result = timed("read tokens (waits for the GPU)", sampling.DeviceSample.result)
+    ops.sample = timer.timed("sample (waits for the GPU)", ops.sample)  # --no-async-scheduling
+    ops.sample_async = timer.timed("sample (launch)", ops.sample_async)
+    timer.wrap(sampling.DeviceSample, "result", "read tokens (waits for the GPU)")
 
 
 def run(llm: LLM, title: str, prompts, params) -> None:

@@ -16,9 +16,6 @@ every op not listed in ``OPS``, to the reference implementation.
   step into ``meta.device``.
 * ``rotary_attention``: ``attention`` with q and k rotated by the kernel that writes the cache
   (``rotary``'s inputs and styles); a launch less per layer.
-* ``silu_and_mul_linear`` (float16 / bfloat16): at one row with a plain weight of at most 16 MB,
-  the few-row linear kernel forms ``silu(gate) * up`` as it reads its input; otherwise the two
-  ops.
 * ``linear`` for plain float16 / bfloat16 weights: the few-row kernel (``kernels/gemv.py``) for
   one to four rows (decode steps of one to four sequences), where it beat cuBLAS on an H200
   (``benchmarks/bench_gemv.py``), cuBLAS for everything else; registered apart from ``OPS``
@@ -81,10 +78,6 @@ SUPPORTED: dict[str, dict] = {
         "note": "neox | interleaved; any even R <= D; returns new q, k",
     },
     "silu_and_mul": {"dtypes": FLOAT_DTYPES, "note": "any even last dim"},
-    "silu_and_mul_linear": {
-        "dtypes": frozenset({torch.float16, torch.bfloat16}),
-        "note": "one row, plain weight: the few-row linear computes the activation as it reads x; else the two",
-    },
     "attention": {
         "dtypes": FLOAT_DTYPES,
         "max_head_dim": MAX_HEAD_DIM,
@@ -180,28 +173,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _torch_linear(x, weight, bias)
 
 
-# The fused activation is computed by every program of the few-row kernel from the whole
-# gate/up row: twice the input bytes a program reads from L2, against the activation kernel's
-# launch saved. Kept to weights whose time is mostly the kernel's fixed cost (ERNIE-4.5-0.3B's
-# down projection, 6 MB: its SiLU kernel took 1.2 us of a 3.6 us pair). For Llama-3-8B's
-# (117 MB, 2,048 programs of two weight rows) the extra L2 reads would cost about what the launch
-# saves. An estimate, not a measurement: the first GPU run is to settle it.
-FUSED_SILU_MAX_BYTES = 16 << 20
-
-
-def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``linear(silu_and_mul(x), weight, bias)``. One row (a decode step of one sequence) with
-    a plain 16-bit weight of at most ``FUSED_SILU_MAX_BYTES``: one launch, the few-row kernel
-    forming ``silu(gate) * up`` as it reads x (``gemv(..., silu=True)``), which saves the
-    activation's launch of each dense layer. Anything else runs the two ops."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if (x2.shape[0] == 1 and isinstance(weight, torch.Tensor) and weight.dim() == 2
-            and weight.numel() * weight.element_size() <= FUSED_SILU_MAX_BYTES
-            and x2.shape[1] == 2 * weight.shape[1] and _gemv.supports(x2[:, : weight.shape[1]], weight)):
-        return _gemv.gemv(x2, weight, bias, silu=True).reshape(*x.shape[:-1], weight.shape[0])
-    return linear(silu_and_mul(x), weight, bias)
-
-
 def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     return _sample(logits, batch)
 
@@ -214,7 +185,6 @@ OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotary": rotary,
     "silu_and_mul": silu_and_mul,
-    "silu_and_mul_linear": silu_and_mul_linear,
     "attention": attention,
     "rotary_attention": rotary_attention,
     "sample": sample,

@@ -112,29 +112,3 @@ def test_choose_config():
             assert c.dot == (m > 1 and (2 if m == 2 else 4) * n >= 16384)
             assert not choose_config(m, n, k, tensor_cores=False).dot
     assert choose_config(1, 64, 40).block_k == 64  # one masked step
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_silu_fused_into_one_row(dtype, n, k, with_bias):
-    """``gemv(..., silu=True)`` on a ``[1, 2K]`` gate/up row is the product with
-    ``silu_and_mul``'s output: the same activation, rounded to x's dtype, then the same kernel
-    (bit for bit in the interpreter; within the linear tolerance on a GPU, where the compiler
-    may contract the activation's arithmetic differently in the two kernels)."""
-    from fd_backend_cuda.kernels.activation import silu_and_mul
-
-    gate_up = rand((1, 2 * k), dtype, 4, scale=2.0)
-    w = rand((n, k), dtype, 5, scale=k**-0.5)
-    bias = rand((n,), dtype, 6) if with_bias else None
-    act = silu_and_mul(gate_up)
-    got = gemv(gate_up, w, bias, silu=True)
-    want = gemv(act, w, bias)
-    if DEVICE.type == "cpu":
-        assert torch.equal(got, want)
-    check(act, w, bias, got)
-
-
-def test_silu_fusion_is_one_row_only():
-    with pytest.raises(ValueError, match="one row"):
-        gemv(rand((2, 64), torch.bfloat16, 1), rand((8, 32), torch.bfloat16, 2), silu=True)

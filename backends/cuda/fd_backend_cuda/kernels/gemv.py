@@ -13,7 +13,9 @@ one kernel, no workspace, every output summed in one fixed order, deterministic 
 - CUDA cores (``_gemv_kernel``): products accumulated per (row, column) in float32, reduced
   once at the end; 16 weight elements per thread a step, and with ``prefetch`` the next step's
   tile is loaded before this one is used (Triton's ``num_stages`` pipelines only loads that
-  feed a dot, so it does nothing here). Rows of x past the real ``m`` (rounded up to 1, 2 or
+  feed a dot, so it does nothing here). The first tile is loaded before the programmatic-launch
+  wait (``pdl_start``): weights are never written by a step's kernels, so a program streams
+  while the kernel ahead of it (a norm, attention, SiLU) finishes. Rows of x past the real ``m`` (rounded up to 1, 2 or
   4 at compile time) re-read the last real row and are never stored; weight rows past N
   re-read row N - 1: whole tiles load without masks.
 - Tensor cores (``_gemv_dot_kernel``, 16-bit only): with 2-4 rows the CUDA cores do 2-4 FMAs
@@ -57,10 +59,19 @@ class Config(NamedTuple):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
+                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    rk0 = tl.arange(0, BLOCK_K)
+    # The first weight tile is asked for before waiting on the kernel ahead: no kernel of a step
+    # writes weights, so this read cannot race, and its DRAM latency overlaps the kernel ahead
+    # (a norm, attention, SiLU: short kernels with few programs) instead of following it.
+    # Everything else (x, y, the bias) waits.
+    if EVEN_K:
+        w_next = tl.load(w_rows + rk0[None, :], eviction_policy="evict_first")
+    else:
+        w_next = tl.load(w_rows + rk0[None, :], mask=(rk0 < K)[None, :], other=0.0, eviction_policy="evict_first")
+    pdl_start(PDL)
     # up to four rows of x, one accumulator each (unused ones are folded away at compile time)
     x0 = x_ptr
     x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
@@ -70,23 +81,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    if PREFETCH:
-        w_next = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, :], mask=(tl.arange(0, BLOCK_K) < K)[None, :],
-                         other=0.0, eviction_policy="evict_first")
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+        rk = k0 + rk0
         k_ok = rk < K
+        w = w_next.to(tl.float32)
         if PREFETCH:
             # the next step's tile is asked for before this one is used: two tiles in flight
             # (Triton's num_stages pipelines only loads that feed a dot)
-            w = w_next.to(tl.float32)
             w_next = tl.load(w_rows + BLOCK_K + rk[None, :], mask=(rk + BLOCK_K < K)[None, :], other=0.0,
                              eviction_policy="evict_first")
-        elif EVEN_K:
-            w = tl.load(w_rows + rk[None, :], eviction_policy="evict_first").to(tl.float32)
-        else:
-            w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
         for r in tl.static_range(ROWS):
             x_row = x0 if r == 0 else x1 if r == 1 else x2 if r == 2 else x3
             # loaded in the weight tile's shape, hence its layout: a [BLOCK_K] vector gets another
@@ -96,13 +99,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                 xv = tl.load(x_tile)
             else:
                 xv = tl.load(x_tile, mask=k_ok[None, :], other=0.0)
-            if SILU:  # x's row is [gate | up]: silu(gate) * up, rounded as silu_and_mul rounds it
-                if EVEN_K:
-                    up = tl.load(x_tile + K).to(tl.float32)
-                else:
-                    up = tl.load(x_tile + K, mask=k_ok[None, :], other=0.0).to(tl.float32)
-                gate = xv.to(tl.float32)
-                xv = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
             part = w * xv.to(tl.float32)
             if r == 0:
                 acc0 += part
@@ -112,6 +108,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                 acc2 += part
             else:
                 acc3 += part
+        if not PREFETCH:
+            if k0 + BLOCK_K < K:  # one tile in flight: the next is asked for once this one is used
+                if EVEN_K:
+                    w_next = tl.load(w_rows + BLOCK_K + rk[None, :], eviction_policy="evict_first")
+                else:
+                    w_next = tl.load(w_rows + BLOCK_K + rk[None, :], mask=(rk + BLOCK_K < K)[None, :], other=0.0,
+                                     eviction_policy="evict_first")
     n_ok = rn < N
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -199,11 +202,9 @@ def supports(x2: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Config | None = None, silu: bool = False) -> torch.Tensor:
+         config: Config | None = None) -> torch.Tensor:
     """``x2 [m, K] @ weight[N, K].T (+ bias[N])`` -> ``[m, N]`` in x's dtype, for operands that
-    ``supports`` accepts; ``config`` overrides ``choose_config`` (for benchmarks). ``silu``: x2
-    is ``[m, 2K]``, gate then up, and the product is with ``silu(gate) * up`` rounded to x's
-    dtype (the contract's ``silu_and_mul_linear``; one row: the CUDA-core kernel only)."""
+    ``supports`` accepts; ``config`` overrides ``choose_config`` (for benchmarks)."""
     m, k = x2.shape[0], weight.shape[1]
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
@@ -214,8 +215,6 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is not None:
         bias = bias.contiguous()
     grid = (triton.cdiv(n, config.block_n),)
-    if silu and (m != 1 or config.dot):
-        raise ValueError("gemv: silu is fused for one row on the CUDA-core kernel only")
     if config.dot:
         _gemv_dot_kernel[grid](
             x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
@@ -227,6 +226,6 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     _gemv_kernel[grid](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k, SILU=silu,
+        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k,
         num_warps=config.num_warps, num_stages=1, **pdl(x2.device))
     return y
