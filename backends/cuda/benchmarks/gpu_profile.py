@@ -53,6 +53,31 @@ def busy_us(events) -> tuple[float, int]:
     return total, len(spans)
 
 
+def exclusive_us(spans: list[tuple[str, float, float]]) -> dict[str, tuple[float, int]]:
+    """Per kernel name, the GPU time it alone accounts for and its launches, from ``(name,
+    start, end)`` spans: time covered by several kernels goes to the one that started first.
+    Under programmatic dependent launch a kernel starts while the one ahead still runs and
+    waits for it, so its own duration counts that wait twice; here the wait is the kernel
+    ahead's, and the names' times add up to the union ``busy_us`` reports."""
+    out: dict[str, list] = {}
+    frontier = float("-inf")
+    for name, start, end in sorted(spans, key=lambda s: (s[1], s[2])):
+        entry = out.setdefault(name, [0.0, 0])
+        entry[0] += max(0.0, end - max(start, frontier))
+        entry[1] += 1
+        frontier = max(frontier, end)
+    return {name: (t, n) for name, (t, n) in out.items()}
+
+
+def print_exclusive(events, steps: int) -> None:
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    table = sorted(exclusive_us(spans).items(), key=lambda kv: -kv[1][0])
+    print("---- GPU time by kernel, overlaps given to the kernel that started first (a wait under "
+          "programmatic launch is the kernel ahead's time), µs a step / launches a step / µs a launch")
+    for name, (t, n) in table[:20]:
+        print(f"  {t / steps:9.1f} {n / steps:7.1f} {t / n:8.2f}  {name[:90]}")
+
+
 def throughput(llm: LLM) -> None:
     many = e2e.prompts(128, 1024, 2)
     for label, tokens in (("prefill only (max_tokens=1)", 1), ("whole load (128 tokens)", 128)):
@@ -121,6 +146,7 @@ def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
               f"{busy / steps:.1f} µs a step ({busy / wall:.0%}), {kernels / steps:.1f} kernels a step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print_exclusive(events, steps)
         if trace:
             prof.export_chrome_trace(str(trace))
 
