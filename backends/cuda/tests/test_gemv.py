@@ -88,6 +88,17 @@ def test_gemv_strided_rows():
     check(x2, w, None, gemv(x2, w))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_of_no_input_features_is_the_bias(with_bias):
+    """K = 0: zeros (plus the bias), with no launch (the kernel would read a weight tile)."""
+    x2 = torch.empty((2, 0), dtype=torch.bfloat16, device=DEVICE)
+    w = torch.empty((24, 0), dtype=torch.bfloat16, device=DEVICE)
+    bias = rand((24,), torch.bfloat16, 11) if with_bias else None
+    got = gemv(x2, w, bias)
+    want = torch.zeros((2, 24), dtype=torch.bfloat16, device=DEVICE) + (0 if bias is None else bias)
+    assert torch.equal(got, want)
+
+
 def test_supports():
     x2 = rand((2, 64), torch.bfloat16, 9)
     w = rand((32, 64), torch.bfloat16, 10)
