@@ -15,9 +15,10 @@ one kernel, no workspace, every output summed in one fixed order, deterministic 
   tile is loaded before this one is used (Triton's ``num_stages`` pipelines only loads that
   feed a dot, so it does nothing here). The first tile is loaded before the programmatic-launch
   wait (``pdl_start``): weights are never written by a step's kernels, so a program streams
-  while the kernel ahead of it (a norm, attention, SiLU) finishes. Rows of x past the real ``m`` (rounded up to 1, 2 or
-  4 at compile time) re-read the last real row and are never stored; weight rows past N
-  re-read row N - 1: whole tiles load without masks.
+  while the kernel ahead of it (a norm, attention, SiLU) finishes (H200, batch 1 of the
+  ERNIE-4.5-0.3B shape: 535 -> 514 µs of GPU time a step). Rows of x past the real ``m``
+  (rounded up to 1, 2 or 4 at compile time) re-read the last real row and are never stored;
+  weight rows past N re-read row N - 1: whole tiles load without masks.
 - Tensor cores (``_gemv_dot_kernel``, 16-bit only): with 2-4 rows the CUDA cores do 2-4 FMAs
   and conversions per weight element and become the limit on large weights (Llama-3-8B's
   gate_up at 4 rows: 74 µs against cuBLAS' 55). The weight tile is the dot's A operand and x,
