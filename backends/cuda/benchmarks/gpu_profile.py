@@ -39,18 +39,15 @@ import e2e  # noqa: E402
 from fd_core import LLM, SamplingParams  # noqa: E402
 
 
-def busy_us(events) -> tuple[float, int]:
+def kernel_spans(events) -> list[tuple[str, float, float]]:
+    """``(name, start, end)`` of every kernel among a profile's events (µs)."""
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+
+
+def busy_us(spans: list[tuple[str, float, float]]) -> tuple[float, int]:
     """The union of the kernels' intervals (µs) and their count."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    total, end = 0.0, float("-inf")
-    for s, e in spans:
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total, len(spans)
+    by_name = exclusive_us(spans).values()
+    return sum(t for t, _ in by_name), sum(n for _, n in by_name)
 
 
 def exclusive_us(spans: list[tuple[str, float, float]]) -> dict[str, tuple[float, int]]:
@@ -69,8 +66,7 @@ def exclusive_us(spans: list[tuple[str, float, float]]) -> dict[str, tuple[float
     return {name: (t, n) for name, (t, n) in out.items()}
 
 
-def print_exclusive(events, steps: int) -> None:
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+def print_exclusive(spans: list[tuple[str, float, float]], steps: int) -> None:
     table = sorted(exclusive_us(spans).items(), key=lambda kv: -kv[1][0])
     print("---- GPU time by kernel, overlaps given to the kernel that started first (a wait under "
           "programmatic launch is the kernel ahead's time), µs a step / launches a step / µs a launch")
@@ -140,13 +136,13 @@ def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
                   "with cProfile's overhead)")
             pstats.Stats(python).sort_stats("tottime").print_stats(30)
             continue
-        events = prof.events()
-        busy, kernels = busy_us(events)
+        spans = kernel_spans(prof.events())
+        busy, kernels = busy_us(spans)
         print(f"==== batch {batch}, profiled: {steps} decode steps, {wall / steps:.1f} µs wall a step, GPU busy "
               f"{busy / steps:.1f} µs a step ({busy / wall:.0%}), {kernels / steps:.1f} kernels a step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-        print_exclusive(events, steps)
+        print_exclusive(spans, steps)
         if trace:
             prof.export_chrome_trace(str(trace))
 
@@ -193,7 +189,7 @@ def mixed(llm: LLM, trace: Path | None) -> None:
         rounds(20, per_round, f"p{per_round}", profiler=profiler)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             rounds(10, per_round, f"g{per_round}")
-        busy, kernels = busy_us(prof.events())
+        busy, kernels = busy_us(kernel_spans(prof.events()))
         m, d = sorted(walls["mixed"]), sorted(walls["decode"])
         print(f"==== 64 decoding, {per_round} x 256-token prompts arriving a round: {len(m)} mixed steps, "
               f"wall median {m[len(m) // 2]:.2f} ms, max {m[-1]:.2f} ms; {len(d)} other steps, median "

@@ -25,9 +25,11 @@ def test_a_wait_under_programmatic_launch_is_the_kernel_aheads_time():
     # the names' times add up to the union of the intervals
     union = 2.0 + 8.0 + 1.0 + 1.5
     assert sum(t for t, _ in got.values()) == pytest.approx(union)
+    assert gp.busy_us(spans) == (pytest.approx(union), 4)
 
 
 def test_a_kernel_inside_another_adds_nothing():
     gp = _module()
     got = gp.exclusive_us([("long", 0.0, 10.0), ("short", 2.0, 3.0)])
     assert got == {"long": (10.0, 1), "short": (0.0, 1)}
+    assert gp.busy_us([("long", 0.0, 10.0), ("short", 2.0, 3.0), ("late", 12.0, 13.0)]) == (11.0, 3)

@@ -449,9 +449,9 @@ def test_rotary_attention_is_rotary_then_attention(dtype, style, heads, head_dim
     """The fused op (q and k rotated by the kernel that writes the cache) gives what the rotary
     op and then attention give: q and k read as slices of one fused qkv output, a partial
     rotary dim, a quantized cache. Both kernels rotate with ``rotary.rotated``: bit for bit in
-    the interpreter. On a GPU, within the rounding of the rotation: when the two kernels had
-    rotations of their own, an H200 contracted them into FMAs differently in float32, and the
-    shared one has not run on a GPU yet to show the compiler treats it alike in both."""
+    the interpreter. On a GPU, within the rounding of the rotation: the compiler may contract
+    the float32 rotation into FMAs differently in the two kernels (an H200 did, when each had a
+    rotation of its own)."""
     hq, hk = heads
     seqs = SCENARIOS["mixed"]
     num_blocks = sum(-(-(c + q) // 4) for c, q in seqs) + 3

@@ -72,10 +72,11 @@ def _pdl(index: int) -> bool:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """First in a kernel launched with ``pdl``: wait until the kernel before it has finished
-    and its writes are visible (nothing is read or written before this), then let the next
-    kernel's programs be scheduled. A kernel is thus overlapped only with the next one's
-    launch and start-up, never with its memory traffic."""
+    """Early in a kernel launched with ``pdl``: wait until the kernel before it has finished
+    and its writes are visible, then let the next kernel's programs be scheduled. Nothing is
+    written before it, and nothing read but what no kernel of a step writes (weights: the
+    few-row linear's first tile; ``test_kernels.py`` holds each kernel to its list), so a
+    kernel overlaps the one ahead only with its launch, start-up and such reads."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

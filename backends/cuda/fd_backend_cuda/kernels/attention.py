@@ -99,7 +99,6 @@ def _kv_write_kernel(
     num_q_heads,
     num_kv_heads,
     head_dim,
-    half,
     rot,
     cs_stride,
     q_sn,
@@ -136,14 +135,14 @@ def _kv_write_kernel(
         cs_row = cs_ptr + tl.load(pos_ptr + tok).to(tl.int64) * cs_stride
     if hb < q_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        rotate_heads(q_ptr, qo_ptr, tok, heads, num_q_heads, q_sn, q_sh, qo_sn, qo_sh, d, head_dim, cs_row, half,
+        rotate_heads(q_ptr, qo_ptr, tok, heads, num_q_heads, q_sn, q_sh, qo_sn, qo_sh, d, head_dim, cs_row,
                      rot, ROTARY == 1, False)
     else:
         heads = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         mask = (heads < num_kv_heads)[:, None] & (d < head_dim)[None, :] & (slot >= 0)
         if ROTARY:
-            kx = rotated(k_ptr, tok * k_sn + heads * k_sh, d, mask, cs_row, half, rot, ROTARY == 1)
+            kx = rotated(k_ptr, tok * k_sn + heads * k_sh, d, mask, cs_row, rot, ROTARY == 1)
             # rounded to k's dtype first, as the rotary op's output is before the cache gets it
             kx = kx.to(k_ptr.dtype.element_ty).to(tl.float32)
         else:
@@ -783,7 +782,7 @@ def _write(rotary, k, v, key_cache, value_cache, slot_mapping, block_size) -> No
     grid = (tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h))
     _kv_write_kernel[grid](
         k, v, key_cache, value_cache, slot_mapping, positions, cos_sin, q, qo,
-        num_q_heads, num_kv_heads, head_dim, rot // 2, rot, cos_sin.stride(0),
+        num_q_heads, num_kv_heads, head_dim, rot, cos_sin.stride(0),
         q.stride(0), q.stride(1), qo.stride(0), qo.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), value_cache.stride(0), value_cache.stride(1),
         ROTARY={"": 0, "neox": 1, "interleaved": 2}[style],

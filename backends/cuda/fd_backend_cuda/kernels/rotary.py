@@ -36,12 +36,13 @@ def check_table(style: str, rot: int, head_dim: int) -> None:
 
 
 @triton.jit
-def rotated(x_ptr, rows, d, mask, cs_row, half, rot, IS_NEOX: tl.constexpr):
+def rotated(x_ptr, rows, d, mask, cs_row, rot, IS_NEOX: tl.constexpr):
     """The ``[H, D]`` rows at ``x_ptr + rows`` (each head's first element) rotated, float32:
     element ``d`` pairs with ``d +- R/2`` (neox) or ``d ^ 1`` (interleaved), whose value a
     second load of the same rows gathers; dims from ``R`` on pass through. The one rotation of
     the ``rotary`` op and of attention's K/V write (``rotary_attention``)."""
     x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    half = rot // 2
     if IS_NEOX:
         first = d < half
         partner = tl.where(first, d + half, d - half)
@@ -60,12 +61,12 @@ def rotated(x_ptr, rows, d, mask, cs_row, half, rot, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def rotate_heads(x_ptr, o_ptr, tok, heads, num_heads, x_sn, x_sh, o_sn, o_sh, d, head_dim, cs_row, half, rot,
+def rotate_heads(x_ptr, o_ptr, tok, heads, num_heads, x_sn, x_sh, o_sn, o_sh, d, head_dim, cs_row, rot,
                  IS_NEOX: tl.constexpr, ONLY_ROTATED: tl.constexpr):
     """Token ``tok``'s ``heads`` of x rotated into o (``ONLY_ROTATED``: the first R dims only,
     for rotating in place)."""
     mask = (heads < num_heads)[:, None] & (d < head_dim)[None, :]
-    x = rotated(x_ptr, tok * x_sn + heads * x_sh, d, mask, cs_row, half, rot, IS_NEOX)
+    x = rotated(x_ptr, tok * x_sn + heads * x_sh, d, mask, cs_row, rot, IS_NEOX)
     if ONLY_ROTATED:
         mask = mask & (d < rot)[None, :]
     out = o_ptr + tok * o_sn + heads * o_sh
@@ -83,7 +84,6 @@ def _rotary_kernel(
     num_q_heads,
     num_k_heads,
     head_dim,
-    half,
     rot,
     cs_stride,
     q_sn,
@@ -108,11 +108,11 @@ def _rotary_kernel(
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
     if hb < q_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        rotate_heads(q_ptr, qo_ptr, tok, heads, num_q_heads, q_sn, q_sh, qo_sn, qo_sh, d, head_dim, cs_row, half,
+        rotate_heads(q_ptr, qo_ptr, tok, heads, num_q_heads, q_sn, q_sh, qo_sn, qo_sh, d, head_dim, cs_row,
                      rot, IS_NEOX, INPLACE)
     else:
         heads = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        rotate_heads(k_ptr, ko_ptr, tok, heads, num_k_heads, k_sn, k_sh, ko_sn, ko_sh, d, head_dim, cs_row, half,
+        rotate_heads(k_ptr, ko_ptr, tok, heads, num_k_heads, k_sn, k_sh, ko_sn, ko_sh, d, head_dim, cs_row,
                      rot, IS_NEOX, INPLACE)
 
 
@@ -149,7 +149,6 @@ def rotary(
         raise ValueError(f"rotary: q and k heads differ in size, {head_dim} and {k.shape[-1]}")
     if cos_sin.stride(-1) != 1:
         cos_sin = cos_sin.contiguous()
-    half = rot // 2
     qo = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     ko = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens == 0:
@@ -161,7 +160,7 @@ def rotary(
     block_h = max(1, min(next_pow2(max(num_q, num_k)), max(1, 4096 // block_d)))
     grid = (tokens, triton.cdiv(num_q, block_h) + triton.cdiv(num_k, block_h))
     _rotary_kernel[grid](
-        positions, cos_sin, q, k, qo, ko, num_q, num_k, head_dim, half, rot, cos_sin.stride(0),
+        positions, cos_sin, q, k, qo, ko, num_q, num_k, head_dim, rot, cos_sin.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
         IS_NEOX=style == "neox",
         INPLACE=inplace,
