@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import numpy as np
 import pytest
 
 from fd_core import LLM, SamplingParams
+from fd_core.engine.prompts import token_id_list
 from fd_core.errors import (ConfigError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
                             UnsupportedArchitectureError)
 
@@ -60,6 +62,36 @@ def test_stop_token_ids_outside_the_vocabulary(small_llm):
 def test_bad_token_ids(small_llm):
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         small_llm.generate([[1, 2, 10**9]], use_tqdm=False)
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([3, 1, 2], [3, 1, 2]),
+    ((3, 1), [3, 1]),
+    (np.array([7, 8], dtype=np.int32), [7, 8]),
+    ([np.int64(4), 5], [4, 5]),
+    ([True, 2], [1, 2]),
+    ([], []),
+    ([1, 10**30], [1, 10**30]),  # kept as Python ints, for the range check to refuse
+])
+def test_token_id_list_converts_to_python_ints(ids, expected):
+    out = token_id_list(ids)
+    assert out == expected and all(type(t) is int for t in out)
+
+
+@pytest.mark.parametrize("ids", [[1.5, 2], [1, "a"], [[1, 2], [3, 4]], [[1], [2, 3]], "12", {"a": 1},
+                                 np.zeros((2, 2), dtype=np.int64), [None]])
+def test_token_id_list_refuses_what_is_not_a_flat_list_of_integers(ids):
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be a"):
+        token_id_list(ids)
+
+
+@smollm2
+def test_non_integer_token_ids(small_llm):
+    with pytest.raises(InvalidRequestError, match="prompt token ids must be a flat list of integers"):
+        small_llm.generate([[1, 2.5]], use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"token ids must be in \[0, "):
+        small_llm.generate([[1, 10**30]], use_tqdm=False)
+    assert not small_llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("kwargs, match", [

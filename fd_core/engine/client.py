@@ -39,6 +39,7 @@ from fd_core.engine.core import (
 from fd_core.engine.core_handle import CoreHandle, CoreWatch, await_ready, client_addresses
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
+from fd_core.engine.prompts import token_id_list
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.wire import (
     Abort,
@@ -257,7 +258,7 @@ class AsyncEngineClient:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if cache_salt is not None:
             check_cache_salt(cache_salt)
-        token_ids = [int(t) for t in prompt_token_ids]
+        token_ids = token_id_list(prompt_token_ids)
         # in a cluster the id travels through Redis beside other instances' requests
         number = next(self._wire_ids)
         stream = _Stream(request_id, f"{self._origin}:{number}" if self._cluster is not None

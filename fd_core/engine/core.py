@@ -33,6 +33,7 @@ from fd_core.engine.loading import (
     proposer_cache_shape,
 )
 from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored, StepResult
+from fd_core.engine.prompts import token_id_list
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
@@ -400,7 +401,7 @@ class EngineCore:
         A request with ``n > 1`` is not handed over: it runs here whole."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        token_ids = [int(t) for t in token_ids]
+        token_ids = token_id_list(token_ids)
         self.check_prompt(token_ids)
         check_params(params, self.model_config.vocab_size, self.config.max_logprobs, self.unavailable())
         if cache_salt is not None:

@@ -9,7 +9,7 @@ from fd_core.engine.config import EngineConfig
 from fd_core.engine.core import EngineCore
 from fd_core.engine.output_processor import OutputProcessor
 from fd_core.engine.outputs import RequestOutput
-from fd_core.engine.prompts import encode_prompt
+from fd_core.engine.prompts import encode_prompt, token_id_list
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.errors import InvalidRequestError
 from fd_core.interfaces import Platform
@@ -42,7 +42,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, encode_prompt(self.tokenizer, prompt, self.max_model_len)
         else:
-            token_ids = [int(t) for t in prompt]
+            token_ids = token_id_list(prompt)
         self.core.add_request(request_id, token_ids, params, cache_salt)
         self.processor.add_request(request_id, prompt_text, token_ids, params)
 

@@ -109,8 +109,8 @@ class LLM:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], prompt["prompt"]
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, prompt  # token ids: the engine checks and converts them
         raise InvalidRequestError(f"cannot use {type(prompt).__name__} as a prompt")
 
     def _run(self, prompts: list[tuple[str | None, str | list[int]]],
