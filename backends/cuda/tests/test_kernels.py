@@ -573,7 +573,7 @@ def test_kernels_launched_with_pdl_touch_nothing_before_waiting():
                     calls = {ast.unparse(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
                     assert not any("store" in c or "atomic" in c for c in calls), (path.name, node.name)
     assert {"_rms_norm_kernel", "_gemv_kernel", "_gemv_dot_kernel", "_kv_write_kernel", "_attention_kernel",
-            "_silu_and_mul_kernel", "_rotary_kernel"} <= set(found)
+            "_silu_and_mul_kernel", "_rotary_kernel", "_int4_gemv_kernel"} <= set(found)
 
 
 def test_supports():

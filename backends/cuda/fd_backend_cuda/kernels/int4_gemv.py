@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from fd_core.interfaces import QuantizedWeight
 
+from fd_backend_cuda.kernels._common import pdl, pdl_start
+
 BLOCK_N = 64
 COLS = 16
 HB = 64
@@ -64,7 +66,8 @@ _UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300), 136.0), torch.float16: (_un
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, K_SPLIT, stride_xm, stride_ym,
                       stride_wn, stride_sn, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, UNPACK: tl.constexpr,
                       MAGIC_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, H: tl.constexpr, HB: tl.constexpr,
-                      COLS: tl.constexpr, HALVES: tl.constexpr, ROWS: tl.constexpr):
+                      COLS: tl.constexpr, HALVES: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     # ROWS rows of x (a power of two, M of them real) share the dot's COLS columns: column
     # m * G + j holds row m's half-chunk j of the block, G = COLS / ROWS half-chunks a block
     G: tl.constexpr = COLS // ROWS
@@ -175,5 +178,6 @@ def int4_gemv(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) ->
         weight.scales.stride(0),
         HAS_ZEROS=zeros is not None, SPLIT=grid[1] > 1, UNPACK=unpack,
         MAGIC_OFFSET=offset, BLOCK_N=BLOCK_N, H=half, HB=HB, COLS=COLS,
-        HALVES=weight.group_size // half, ROWS=rows, num_warps=4, num_stages=4, maxnreg=MAX_REGISTERS)
+        HALVES=weight.group_size // half, ROWS=rows, num_warps=4, num_stages=4, maxnreg=MAX_REGISTERS,
+        **pdl(x2.device))
     return y
