@@ -40,6 +40,7 @@ merge of the splits ignores.
 from __future__ import annotations
 
 import bisect
+import gc
 import os
 from typing import Any, Callable
 
@@ -99,8 +100,18 @@ def _captured(run: Callable[[], Any], pool: Any) -> tuple[torch.cuda.CUDAGraph, 
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = run()
+    # No garbage collection while capturing: a dropped engine's graphs, held in a reference
+    # cycle, destroyed by a collection that a capture's allocations set off, invalidate the
+    # capture (a graph may not be destroyed while a stream captures; seen in the conformance
+    # kit, which builds engines one after another in one process). They go at a later collection.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            output = run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, output
 
 

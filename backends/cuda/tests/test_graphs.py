@@ -114,3 +114,37 @@ def test_memory_profiling_sizes_the_kv_cache(llama):
     del small
     with pytest.raises(ConfigError, match="gpu-memory-utilization"):
         LLM(model=str(llama), device="cuda", max_model_len=256, gpu_memory_utilization=0.001)
+
+
+
+def test_a_dropped_engine_collected_during_capture_leaves_it_intact(llama, monkeypatch):
+    """Engines built one after another in one process (the conformance kit, a notebook): a
+    dropped one still holding its graphs in a reference cycle must not be collected in the
+    middle of the next one's captures, since destroying a graph invalidates a capture. The
+    collector runs when allocations set it off, which a test cannot time; here every capture
+    collects right after it begins wherever automatic collection is on, as the collector may."""
+    import gc
+
+    from fd_core import LLM, SamplingParams
+
+    def build():
+        return LLM(model=str(llama), device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4,
+                   gpu_memory_utilization=0.2)
+
+    class CollectingGraph(torch.cuda.graph):
+        def __enter__(self):
+            entered = super().__enter__()
+            if gc.isenabled():
+                gc.collect()
+            return entered
+
+    first = build()
+    assert first.engine.core.executor.runner.forward.graphs
+    cycle = [first]
+    cycle.append(cycle)
+    del first, cycle
+    monkeypatch.setattr(torch.cuda, "graph", CollectingGraph)
+    second = build()
+    out = second.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    second.engine.core.shutdown()
