@@ -198,8 +198,12 @@ def ragged_inputs(ids: np.ndarray, tables: list[list[int]] | np.ndarray, context
     ``query_lens[i]`` tokens after its first ``context_lens[i]``: positions, slot mapping and
     attention metadata; no logit rows yet."""
     num_seqs = len(query_lens)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
+    decode = len(ids) == num_seqs and not (query_lens != 1).any()  # one token a sequence
+    if decode:
+        query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
+    else:
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
     if isinstance(tables, np.ndarray):
         block_tables = tables
@@ -209,8 +213,11 @@ def ragged_inputs(ids: np.ndarray, tables: list[list[int]] | np.ndarray, context
         # row-major boolean assignment fills each row's first `width` entries in order
         block_tables[np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
             itertools.chain.from_iterable(tables), dtype=np.int64, count=int(widths.sum()))
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token])
+    # a decode step (most steps) skips the token-to-sequence expansion: a few NumPy calls less,
+    # ~5 us of the ~14 on a 2-core EPYC host, on the path between two forwards
+    seq_of_token = query_start_loc[:-1] if decode else np.repeat(np.arange(num_seqs), query_lens)
+    positions = context_lens.copy() if decode else (
+        context_lens[seq_of_token] + (np.arange(num_tokens) - query_start_loc[seq_of_token]))
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     meta = AttentionMetadata(
         query_start_loc=query_start_loc,

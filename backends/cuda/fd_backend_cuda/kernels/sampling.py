@@ -618,13 +618,14 @@ def sample_async(
     # The kernel reads float16/bfloat16 logits as they are (widening is exact): a decode step's
     # cast was a kernel and an allocation on the host's per-step path. The torch-side helpers
     # (bias, penalties, suppression, top logprobs) work on float32.
-    plain = batch.logit_bias is None and not batch.needs_penalties and not suppress and batch.num_logprobs == 0
+    penalised = batch.needs_penalties  # a property over three arrays: once
+    plain = batch.logit_bias is None and not penalised and not suppress and batch.num_logprobs == 0
     raw = logits if plain else logits.float()
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     vocab = raw.shape[1]
     x = torch_ops.bias(raw, batch) if batch.logit_bias is not None else raw
-    if batch.needs_penalties:
+    if penalised:
         x = torch_ops.apply_penalties(x, batch)
     if suppress:
         x = torch_ops.suppress(x, batch)
