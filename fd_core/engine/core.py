@@ -391,8 +391,9 @@ class EngineCore:
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, hand_over: bool = False,
-                    prefilled: Prefilled | None = None) -> None:
-        """Queue a request. ``cache_salt`` keeps its prefix-cache entries apart from those of
+                    prefilled: Prefilled | None = None) -> list[int]:
+        """Queue a request; returns its prompt as the core holds it (a list of Python ints,
+        checked). ``cache_salt`` keeps its prefix-cache entries apart from those of
         requests with another salt (tenants that must not learn each other's prompts).
 
         Prefill/decode disaggregation: ``hand_over`` (a prefill instance) stops the request
@@ -436,7 +437,7 @@ class EngineCore:
             seqs.append(seq)
         if prefilled is not None:
             self._continue(seqs, prefilled)
-            return
+            return token_ids
         if hand_over and self.async_scheduling:
             raise ConfigError("handing requests over after their prefill needs --async-scheduling off")
         seqs[0].hand_over = hand_over and params.n == 1
@@ -451,6 +452,7 @@ class EngineCore:
         self.scheduler.add(seqs[0])
         self.seqs[request_id] = seqs
         self.stats["prompt_tokens"] += len(token_ids) * params.n
+        return token_ids
 
     def _continue(self, seqs: list[Sequence], prefilled: Prefilled) -> None:
         """Queue a sequence whose prompt was computed on a prefill instance, from its first

@@ -32,7 +32,7 @@ def instrument(llm: LLM) -> None:
     timer.wrap(scheduler.Scheduler, "schedule", "schedule")
     timer.wrap(executor, "prepare_inputs", "prepare_inputs")
     timer.wrap(executor, "sampling_batch", "sampling_batch")
-    timer.wrap(runner_module.ModelRunner, "run", "forward + logits (launch)")
+    timer.wrap(runner_module.ModelRunner, "_forward", "forward (launch)")  # step and launch both call it
     timer.wrap(core.EngineCore, "_apply", "apply tokens")
     timer.wrap(output_processor.OutputProcessor, "process", "detokenize / outputs")
     from fd_backend_cuda.kernels import sampling
