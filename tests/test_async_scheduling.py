@@ -14,21 +14,15 @@ pytest.importorskip("transformers")  # the checkpoint is built with transformers
 from fd_core import LLM, SamplingParams  # noqa: E402
 from fd_core.engine.model_runner import PLACEHOLDER  # noqa: E402
 from fd_core.errors import ConfigError  # noqa: E402
-from fd_core.plugins import registry as registry_module  # noqa: E402
-from fd_core.plugins.registry import BackendRegistry  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.plugins.host_fed import HostFed, sampler  # noqa: E402
+from tests.plugins.host_fed import HostFed, async_cpu_registry  # noqa: E402
 
 
 @pytest.fixture()
 def async_cpu(monkeypatch):
     """The process registry with a ``sample_async`` for the cpu device."""
-    registry = BackendRegistry()
-    registry.ops.register("sample_async", "cpu", sampler("paddle"), name="host-fed", runtime="paddle")
-    monkeypatch.setattr(registry_module, "_registry", registry)
-    HostFed.fed = 0
-    return registry
+    return async_cpu_registry(monkeypatch)
 
 
 class HostGate(spec.HostBitmask):
@@ -119,11 +113,15 @@ SETTINGS = {
 }
 
 
+# a greedy and a seeded batch, each row sampling as the synchronous engine's would
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True, logprobs=2),
+}
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=17, ignore_eos=True, logprobs=2),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", list(PARAMS.values()), ids=list(PARAMS))
 def test_async_scheduling_gives_the_synchronous_outputs(async_cpu, model_dir, setting, params):
     _, (sync_steps, async_steps) = compare(model_dir, params, **SETTINGS[setting])
     if "preempt" not in setting:
@@ -194,15 +192,17 @@ def test_forks_past_max_num_seqs(async_cpu, model_dir):
             long_prefill_token_threshold=5)
 
 
-def test_stop_strings_and_aborts(async_cpu, model_dir):
+@pytest.mark.parametrize("steps", [1, 4], ids=["steps", "rounds"])
+def test_stop_strings_and_aborts(async_cpu, model_dir, steps):
     """The front end aborts a request whose text hit a stop string; an abort between steps
-    drops a token in flight. Neither may leak a block or a placeholder."""
-    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512)
+    drops a token in flight (with ``num_scheduler_steps``, a round's). Neither may leak a block
+    or a placeholder."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, num_scheduler_steps=steps)
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)  # not a multiple of a round
     for i, p in enumerate(prompts(5)):
         engine.add_request(f"r{i}", p, params)
-    for _ in range(3):
+    for _ in range(4):
         engine.step()
     seq = engine.core.seqs["r1"][0]
     engine.abort_request("r1")
@@ -213,8 +213,9 @@ def test_stop_strings_and_aborts(async_cpu, model_dir):
             if o.finished:
                 finished[o.request_id] = o
     assert set(finished) == {"r0", "r2", "r3", "r4"}
-    assert all(len(o.outputs[0].token_ids) == 40 for o in finished.values())
+    assert all(len(o.outputs[0].token_ids) == 41 for o in finished.values())
     assert engine.pool.num_free == engine.pool.capacity
+    assert (engine.stats["rounds"] > 0) == (steps > 1)
 
 
 def test_async_scheduling_refused_where_impossible(model_dir):

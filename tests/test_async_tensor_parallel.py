@@ -50,14 +50,18 @@ out = {}
 for name, engine_args in settings.items():
     for async_scheduling in (False, True):
         # the asynchronous engine is the default one: on with ranks where the backend can launch
+        args = dict(engine_args)
+        if not async_scheduling:  # rounds of decode steps need it: the synchronous engine runs step by step
+            args.pop("num_scheduler_steps", None)
         llm = LLM(model=model, device="cpu", max_model_len=128, block_size=4, tensor_parallel_size=2,
-                  async_scheduling=None if async_scheduling else False, **engine_args)
+                  async_scheduling=None if async_scheduling else False, **args)
         core = llm.engine.core
         assert core.async_scheduling == async_scheduling and core.executor.workers.world_size == 2
         results = llm.generate(prompts(10), params, use_tqdm=False)
         assert core.pool.num_free == core.pool.capacity and not core.has_unfinished_requests()
         out[f"{name}/{async_scheduling}"] = {
             "steps": core.stats["steps"],
+            "rounds": core.stats["rounds"],
             "preemptions": core.stats["preemptions"],
             "texts": [[(list(c.token_ids), c.finish_reason, c.cumulative_logprob) for c in r.outputs]
                       for r in results],
@@ -72,6 +76,8 @@ print(json.dumps(out))
 SETTINGS = {
     "chunked": {"num_kv_blocks": 512, "max_num_batched_tokens": 7},  # decodes beside prompt chunks
     "preempt-swap": {"num_kv_blocks": 4 * 12 + 1, "swap_space": 0.01},
+    # rounds of decode steps (engine/rounds.py): each rank keeps the samples of two rounds
+    "rounds": {"num_kv_blocks": 512, "num_scheduler_steps": 4},
 }
 
 
@@ -101,6 +107,7 @@ def test_two_ranks_with_async_scheduling_give_the_synchronous_outputs(tmp_path):
                     assert [t for t, _ in x] == [t for t, _ in y]
                     np.testing.assert_allclose([v for _, v in y], [v for _, v in x], rtol=1e-5, atol=1e-6)
     assert got["preempt-swap/True"]["preemptions"] > 0  # the tight cache did preempt
+    assert got["rounds/True"]["rounds"] > 0
     # both ranks of each asynchronous engine fed steps from their own samples; the engine's
     # process fed none
     pids = set(feeds.read_text().split())

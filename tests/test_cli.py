@@ -54,6 +54,9 @@ def test_flags_accept_fastdeploy_and_vllm_spellings():
     (["--speculative-config", "{ngram"], "--speculative-config is not valid JSON"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
      "--async-scheduling: speculative decoding (--speculative-config) needs each step's accepted tokens"),
+    (["--num-scheduler-steps", "0"], "num_scheduler_steps must be a positive integer, got 0"),
+    (["--num-scheduler-steps", "4"], "--num-scheduler-steps 4: a round's steps take their input tokens from the "
+                                     "step before on the device, and the cpu backend has no sample_async op"),
     (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
      "--speculative-config: method 'mtp' needs the MTP layer's weights (model.mtp_*)"),
 ])

@@ -75,6 +75,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no captured graphs, even where the backend has them
     # queue step t+1 before reading step t's tokens; None: where the backend has sample_async, one rank
     async_scheduling: bool | None = None
+    # device steps per host round when a step is decodes only (vLLM's --num-scheduler-steps;
+    # fd_core/engine/rounds.py): the host schedules and reads tokens once a round
+    num_scheduler_steps: int = 1
     tokenizer: str | None = None  # another folder or .gguf to take the tokenizer from (--tokenizer)
     chat_template: str | None = None  # a template file, or the template itself (--chat-template)
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs a request may ask for (--max-logprobs)
@@ -96,7 +99,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "num_kv_blocks", "tensor_parallel_size"):
+                     "num_kv_blocks", "tensor_parallel_size", "num_scheduler_steps"):
             positive(name)
         threshold = self.long_prefill_token_threshold
         if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
@@ -148,6 +151,12 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ConfigError("--async-scheduling: speculative decoding (--speculative-config) needs each step's "
                               "accepted tokens before it schedules the next; leave asynchronous scheduling off")
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ConfigError("--num-scheduler-steps: speculative decoding (--speculative-config) verifies each "
+                              "step's drafts before the next; leave it at 1")
+        if self.num_scheduler_steps > 1 and self.async_scheduling is False:
+            raise ConfigError("--num-scheduler-steps: a round's steps take their input tokens from the step "
+                              "before on the device, which needs asynchronous scheduling; drop --no-async-scheduling")
 
     def check_against(self, backend: str, caps: Capabilities,
                       other_runtimes: dict[str, Capabilities] | None = None,

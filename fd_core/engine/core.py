@@ -34,6 +34,7 @@ from fd_core.engine.loading import (
 )
 from fd_core.engine.model_runner import PLACEHOLDER, Launched, Scored, StepResult
 from fd_core.engine.prompts import token_id_list
+from fd_core.engine.rounds import round_steps
 from fd_core.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from fd_core.engine.sequence import Sequence, Status
@@ -110,6 +111,13 @@ class _InFlight:
     slots: list[int]
     read_first: bool
     advance: Advance | None = None  # its rows' grammars, advanced on the grammar thread
+    # a round's later steps (engine/rounds.py), each with its slots, read after the first
+    later: list[tuple[Launched, list[int]]] = field(default_factory=list)
+
+    @property
+    def last(self) -> Launched:
+        """The step the next one takes its input tokens from."""
+        return self.later[-1][0] if self.later else self.launched
 
 
 @dataclass
@@ -302,6 +310,11 @@ class EngineCore:
         if self.async_scheduling and not self.executor.can_launch:
             raise ConfigError(f"--async-scheduling: the {self.platform.name} backend has no sample_async op "
                               f"for this model (fd doctor lists its ops)")
+        self.num_scheduler_steps = config.num_scheduler_steps
+        if self.num_scheduler_steps > 1 and not self.async_scheduling:
+            raise ConfigError(f"--num-scheduler-steps {self.num_scheduler_steps}: a round's steps take their "
+                              f"input tokens from the step before on the device, and the {self.platform.name} "
+                              f"backend has no sample_async op for this model (fd doctor lists its ops)")
         self.proposer: Proposer | None = None
         self._pad_drafts = False
         spec = config.speculative_config
@@ -320,8 +333,9 @@ class EngineCore:
                 self.async_scheduling = False
         # prompt_tokens_computed counts prompt tokens the model ran (prefix-cache hits and forks
         # skip some, recomputation after preemption repeats some)
+        # steps: device steps (a round of decode steps counts each); rounds: those of more than one
         self.stats = {"prompt_tokens": 0, "prompt_tokens_computed": 0, "generation_tokens": 0, "steps": 0,
-                      "preemptions": 0, "kv_import_seconds": 0.0}
+                      "rounds": 0, "preemptions": 0, "kv_import_seconds": 0.0}
         if spec is not None:  # vLLM's spec_decode counters: sequence-steps with drafts, drafts, accepted
             self.stats.update(spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0,
                               spec_accepted_per_pos=[0] * spec.num_speculative_tokens)
@@ -612,22 +626,34 @@ class EngineCore:
                     batch.allowed_token_bitmask = mask
                 else:
                     grammars.fill(sampled, batch)
-        launched = self.executor.launch(out.scheduled, self._in_flight.launched if self._in_flight else None, fill,
-                                        score)
+        steps = 1
+        if self.num_scheduler_steps > 1 and not self.scheduler.waiting and not score:
+            steps = round_steps(out.scheduled, self.num_scheduler_steps, self.max_model_len)
+            if steps > 1 and not self.scheduler.reserve_ahead(out, steps):
+                steps = 1
+        if steps > 1:
+            self.stats["steps"] += steps - 1
+            self.stats["rounds"] += 1
+        round_ = self.executor.launch(out.scheduled, self._in_flight.last if self._in_flight else None, fill,
+                                      score, steps)
+        launched = round_[0]
         self._keep_scores(launched.scored, launched.prompt)  # before the first token they go with
-        slots = []
-        for seq in launched.sampled:
-            slots.append(len(seq.output_token_ids))
-            if not seq.finished:  # one that ended on the token just read gets none
-                seq.output_token_ids.append(PLACEHOLDER)
+        placed = []
+        for one in round_:
+            slots = []
+            for seq in one.sampled:
+                slots.append(len(seq.output_token_ids))
+                if not seq.finished:  # one that ended on the token just read gets none
+                    seq.output_token_ids.append(PLACEHOLDER)
+            placed.append((one, slots))
         read_first = bool(parents) or any(s.reads_history for s in launched.sampled)
         advance = None
         if deferred and launched.pending is not None:
             advance = masks.advance([s.grammar for s in launched.sampled], launched.pending)
-        self._in_flight = _InFlight(launched, slots, read_first, advance)
+        self._in_flight = _InFlight(launched, placed[0][1], read_first, advance, placed[1:])
         if previous is not None:  # read while the device computes the step just queued
             outputs += self._read(previous)
-        self._advance(out, parents)
+        self._advance(out, parents, steps)
         return outputs
 
     def _speculative(self, out: SchedulerOutput, parents: list[ScheduledSeq], result: StepResult) -> list[CoreOutput]:
@@ -693,7 +719,10 @@ class EngineCore:
             return []
         output = pending.result()
         ended = flight.advance.wait() if flight.advance is not None else None
-        return self._apply(flight.launched.sampled, output, flight.slots, ended)
+        outputs = self._apply(flight.launched.sampled, output, flight.slots, ended)
+        for launched, slots in flight.later:
+            outputs += self._apply(launched.sampled, launched.pending.result(), slots)
+        return outputs
 
     def _account_step(self, out: SchedulerOutput) -> None:
         """Count the step's prompt tokens, note when a sequence is first scheduled (a sequence
@@ -747,8 +776,8 @@ class EngineCore:
         return PromptLogprobs(logprobs.tolist(), ranks.tolist(),
                               [list(zip(i, lp)) for i, lp in zip(top_ids.tolist(), top_logprobs.tolist())])
 
-    def _advance(self, out: SchedulerOutput, parents: list[ScheduledSeq]) -> None:
-        self.scheduler.advance(out)
+    def _advance(self, out: SchedulerOutput, parents: list[ScheduledSeq], steps: int = 1) -> None:
+        self.scheduler.advance(out, steps)
         copies = []
         for s in parents:  # the forks it seated sampled from its logits: now they run on their own
             copies += self.scheduler.fork(s)
@@ -818,6 +847,10 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             del seq.output_token_ids[count:]  # a placeholder of a step still in flight
+            if self.num_scheduler_steps > 1:
+                # the blocks a round filled after its first step were left out of the prefix
+                # cache until read (Scheduler.advance): they join now, as far as computed
+                self.pool.commit(seq, min(seq.num_computed, seq.num_tokens - 1))
             seq.status, seq.finish_reason, output.finish_reason = Status.FINISHED, reason, reason
             seq.grammar = None
             self.scheduler.finish(seq)

@@ -50,6 +50,7 @@ from fd_core.engine.model_runner import (
     sampling_batch,
 )
 from fd_core.engine.parent import watch_parent
+from fd_core.engine.rounds import later_batch, later_inputs
 from fd_core.engine.scheduler import ScheduledSeq
 from fd_core.engine.sequence import Sequence
 from fd_core.errors import BackendError, FdError
@@ -222,6 +223,7 @@ class Executor:
         self._steps = itertools.count()  # ids of steps launched on worker ranks
         self._can_launch: bool | None = None
         self._rows = BlockTableRows()  # the running sequences' block tables, kept between steps
+        self._round = 1  # the most steps a launch has queued at once (worker ranks keep two rounds' samples)
 
     def _all_ranks(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every rank's runner; their results, by rank."""
@@ -336,11 +338,13 @@ class Executor:
         return self.runner.ops.deferred_bitmask(rows, words)
 
     def launch(self, scheduled: list[ScheduledSeq], previous: Launched | None, fill: Fill | None = None,
-               score: bool = False) -> Launched:
+               score: bool = False, steps: int = 1) -> list[Launched]:
         """Queue a step on the device and return before its tokens are read (``can_launch``).
         Input tokens still marked ``PLACEHOLDER`` on the host are taken on the device from
         ``previous``, the step launched just before, whose tokens the host has not read yet.
-        ``fill`` and ``score`` as ``execute``'s, ``fill`` called once the forward is queued."""
+        ``fill`` and ``score`` as ``execute``'s, ``fill`` called once the forward is queued.
+        ``steps`` > 1: a round of decode steps (engine/rounds.py), each fed from the one
+        before; one Launched per step, in order."""
         inputs, sampled, batch, scored = self._step_inputs(scheduled, score)
         feed = None
         dest = np.flatnonzero(inputs.input_ids == PLACEHOLDER)
@@ -350,17 +354,29 @@ class Executor:
                               dtype=np.int64, count=dest.size)
             feed = Feed(previous.pending, dest, src)
         rows = {s.seq_id: row for row, s in enumerate(sampled)}
+        self._round = max(self._round, steps)
+        launched = [self._launch(inputs, sampled, batch, feed, fill, rows, scored)]
+        every = np.arange(len(sampled), dtype=np.int64)  # a round's rows: one per sequence, in order
+        for j in range(1, steps):
+            feed = Feed(launched[-1].pending, every, every)
+            launched.append(self._launch(later_inputs(inputs, j, self.block_size), sampled, later_batch(batch, j),
+                                         feed, None, rows, []))
+        return launched
+
+    def _launch(self, inputs: StepInputs, sampled: list[Sequence], batch: SamplingBatch | None, feed: Feed | None,
+                fill: Fill | None, rows: dict[int, int], scored: Scored) -> Launched:
         if self.runner is not None:
             before = None if fill is None or batch is None else (lambda b: fill(sampled, b))
             pending, prompt = self.runner.launch(inputs, batch, feed, before)
             return Launched(sampled, pending, rows, scored, prompt)
         # Worker ranks: the bitmask is filled before the step is sent, as execute's. The feed
-        # names the previous step; each rank takes its ids from its own sample of it.
+        # names the previous step; each rank takes its ids from its own sample of it. A rank
+        # keeps the samples of the last two rounds: the engine reads a round after queuing the next.
         if fill is not None and batch is not None:
             fill(sampled, batch)
         step = next(self._steps)
         source = None if feed is None else (feed.tokens.step, feed.dest, feed.src)  # type: ignore[attr-defined]
-        sampling, prompt = self._everywhere("launch", step, inputs, batch, source)
+        sampling, prompt = self._everywhere("launch", step, inputs, batch, source, 2 * self._round)
         return Launched(sampled, RankSample(self, step) if sampling else None, rows, scored, prompt)
 
     def close(self) -> None:
@@ -433,16 +449,17 @@ def _worker(rank: int, calls: str, replies: str) -> int:
 
 
 def _launch(runner: ModelRunner, kept: dict[int, Any], rank: int, step: int, inputs: StepInputs,
-            batch: SamplingBatch | None, source: tuple[int, np.ndarray, np.ndarray] | None
+            batch: SamplingBatch | None, source: tuple[int, np.ndarray, np.ndarray] | None, keep: int = 2
             ) -> tuple[bool, SampleOutput | None]:
     """One rank's part of ``Executor.launch``: whether the step samples, and (rank 0) the
-    prompt scores. Every rank samples, so each can feed the next step from its own device."""
+    prompt scores. Every rank samples, so each can feed the next step from its own device.
+    ``keep``: how many of the latest samples the engine may still read (this one included)."""
     feed = None
     if source is not None:
         previous, dest, src = source
         feed = Feed(kept[previous], dest, src)
     pending, prompt = runner.launch(inputs, batch, feed, lead=rank == 0)
-    for old in [s for s in kept if s < step - 1]:  # read by the engine: no later step feeds from them
+    for old in [s for s in kept if s <= step - keep]:  # read by the engine: no later step feeds from them
         del kept[old]
     if pending is not None:
         kept[step] = pending

@@ -341,16 +341,31 @@ class Scheduler:
         seq.num_preemptions += 1
         out.preempted.append(seq)
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: its tokens are computed (less the drafts it rejected), full
-        blocks join the prefix cache."""
+    def reserve_ahead(self, out: SchedulerOutput, steps: int) -> bool:
+        """Give each scheduled sequence the blocks for ``steps`` more tokens than the step
+        computes (a round of decode steps, engine/rounds.py), if the free blocks hold them
+        all; else change nothing. Never preempts."""
+        targets = [(s.seq, s.seq.num_computed + s.num_new + steps - 1) for s in out.scheduled]
+        need = sum(self.pool.blocks_needed(seq, target) for seq, target in targets)
+        if need > self.pool.num_free - self._reserved:
+            return False
+        for seq, target in targets:
+            self.pool.grow(seq, target)
+        return True
+
+    def advance(self, out: SchedulerOutput, steps: int = 1) -> None:
+        """Record that the step ran (``steps``: as a round of that many device steps, one token
+        a sequence each): its tokens are computed (less the drafts it rejected), full blocks
+        join the prefix cache. A round's later tokens are still placeholders on the host, so
+        the blocks holding them join at a later step's ``advance``, once they are read."""
         block_size, commit, proposer = self.pool.block_size, self.pool.enable_caching, self.proposer_kv
+        ahead = steps - 1
         for s in out.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:  # ended on the previous step's token while this one ran
                 continue
-            seq.num_computed += s.num_new - s.rejected
-            computed = min(seq.num_computed, seq.proposer_computed) if proposer else seq.num_computed
+            seq.num_computed += s.num_new - s.rejected + ahead
+            computed = (min(seq.num_computed, seq.proposer_computed) if proposer else seq.num_computed) - ahead
             if commit and computed // block_size > seq.num_committed_blocks:  # a block filled up
                 self.pool.commit(seq, computed)
 

@@ -211,6 +211,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="queue each step before the previous one's tokens reach the host (default: on "
                         "where the backend supports it)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
+                   help="run a step of decodes only as K device steps queued back to back, the host "
+                        "scheduling and reading tokens once for all K (more throughput where the host's "
+                        "per-step work outlasts the device's; streams get tokens in bursts of K, a new "
+                        "request waits for the round's end). Needs asynchronous scheduling (default: 1)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="split long prompts across steps, mixed with decodes (default: on where supported)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -322,6 +327,7 @@ def engine_config(args: argparse.Namespace):
         load_format=args.load_format, quantization=args.quantization,
         quantization_group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        num_scheduler_steps=args.num_scheduler_steps,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         swap_space=args.swap_space, seed=args.seed, op_pins=_pins(args.op),
         tokenizer=args.tokenizer, chat_template=args.chat_template, max_logprobs=args.max_logprobs,

@@ -3,6 +3,7 @@ shaped like ERNIE-4.5-0.3B (18 layers, hidden 1024, 16 query / 2 key-value heads
 intermediate 3072, vocabulary 103,424, tied embeddings), bfloat16, greedy.
 
     python backends/cuda/benchmarks/e2e.py [--model DIR] [--no-sync] [--no-eager] [--skip-hf]
+        [--num-scheduler-steps K [K ...]]
 
 Prints, for transformers, fd as it runs by default (CUDA graphs, asynchronous scheduling), fd
 with graphs but ``async_scheduling=False``, and fd with ``enforce_eager``:
@@ -147,25 +148,31 @@ def profiled(enabled: bool, title: str):
 
 
 def batch1(engine, prompt: list[int], params) -> dict:
-    """One request alone: the mean and median time between its tokens. No synchronisation: a
-    token is timed when it reaches the host (with asynchronous scheduling the next step is
-    already queued then)."""
+    """One request alone: the mean and median time per token between its first and last. No
+    synchronisation: a token is timed when it reaches the host (with asynchronous scheduling
+    the next step is already queued then). A step that brings several tokens (a round of
+    ``--num-scheduler-steps``) counts its gap once per token, divided among them."""
     engine.add_request("b1", prompt, params)
-    stamps = []
+    stamps, counts = [], []
     while engine.has_unfinished_requests():
-        if engine.step():
+        outputs = engine.step()
+        if outputs:
             stamps.append(time.perf_counter())
-    steps = np.diff(stamps)
-    return {"batch1_ms_per_token": float(np.mean(steps)) * 1e3,
-            "batch1_ms_per_token_p50": float(np.median(steps)) * 1e3}
+            counts.append(len(outputs[0].outputs[0].token_ids))
+    gaps, tokens = np.diff(stamps), np.diff(counts)
+    per_token = np.repeat(gaps / tokens, tokens)
+    return {"batch1_ms_per_token": float(gaps.sum() / tokens.sum()) * 1e3,
+            "batch1_ms_per_token_p50": float(np.median(per_token)) * 1e3}
 
 
-def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | None = None) -> dict:
+def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | None = None,
+           num_scheduler_steps: int = 1) -> dict:
     from fd_core import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), device="cuda", dtype="bfloat16", max_model_len=args.prompt_len + args.output_len + 64,
               max_num_seqs=args.requests, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
+              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+              num_scheduler_steps=num_scheduler_steps)
     engine = llm.engine
     out = {"kv_cache_blocks": engine.core.pool.num_blocks if hasattr(engine.core.pool, "num_blocks") else None}
 
@@ -195,6 +202,7 @@ def fd_run(model_dir: Path, args, enforce_eager: bool, async_scheduling: bool | 
     out["throughput_wall_s"] = wall
     out["throughput_tokens_per_s_each"] = [args.requests * args.output_len / w for w in walls]
     out["steps"] = engine.core.stats["steps"]
+    out["rounds"] = engine.core.stats["rounds"]
     engine.core.shutdown()
     del llm, engine
     gc.collect()
@@ -231,6 +239,8 @@ def main() -> None:
     ap.add_argument("--sync", action=argparse.BooleanOptionalAction, default=True,
                     help="also run fd with graphs but without asynchronous scheduling")
     ap.add_argument("--profile", action="store_true", help="cProfile fd's timed runs")
+    ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1], metavar="K",
+                    help="run fd (graphs, asynchronous) once per K: rounds of K decode steps (default: 1)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args()
     model_dir = build_model(args.model)
@@ -240,8 +250,12 @@ def main() -> None:
     if not args.skip_hf:
         report["transformers"] = hf_run(model_dir, args)
         print("transformers", report["transformers"], flush=True)
-    report["fd_graphs"] = fd_run(model_dir, args, enforce_eager=False)
-    print("fd (CUDA graphs)", report["fd_graphs"], flush=True)
+    runs = []
+    for k in args.num_scheduler_steps:
+        key = "fd_graphs" if k == 1 else f"fd_graphs_steps{k}"
+        report[key] = fd_run(model_dir, args, enforce_eager=False, num_scheduler_steps=k)
+        print(f"fd (CUDA graphs, --num-scheduler-steps {k})", report[key], flush=True)
+        runs.append(key)
     if args.sync:
         report["fd_graphs_sync"] = fd_run(model_dir, args, enforce_eager=False, async_scheduling=False)
         print("fd (CUDA graphs, --no-async-scheduling)", report["fd_graphs_sync"], flush=True)
@@ -250,7 +264,7 @@ def main() -> None:
         print("fd (eager)", report["fd_eager"], flush=True)
     if "transformers" in report:
         hf = report["transformers"]["throughput_tokens_per_s"]
-        for key in [k for k in ("fd_graphs", "fd_graphs_sync", "fd_eager") if k in report]:
+        for key in [k for k in (*runs, "fd_graphs_sync", "fd_eager") if k in report]:
             report[key]["throughput_vs_transformers"] = report[key]["throughput_tokens_per_s"] / hf
     print(json.dumps(report, indent=2))
     if args.json:

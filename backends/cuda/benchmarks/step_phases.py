@@ -1,21 +1,24 @@
 """Where a step's wall time goes: fd's engine functions wrapped in timers, on the model of
 ``e2e.py`` (bfloat16, CUDA graphs), for the batch-1 and the 128-request loads.
 
-    python backends/cuda/benchmarks/step_phases.py [--no-async-scheduling]
+    python backends/cuda/benchmarks/step_phases.py [--no-async-scheduling] [--num-scheduler-steps K]
 
 No synchronisation is added: GPU time shows up in whichever call waits for the GPU (reading a
 step's tokens; with asynchronous scheduling that wait overlaps the next step, already queued).
 Each load runs twice; the second is the one to read. ``--no-async-scheduling`` times the
-synchronous engine.
+synchronous engine; ``--num-scheduler-steps K`` rounds of K decode steps (figures stay per
+device step).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 from pathlib import Path
 
 import torch
+
+import sys  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402
@@ -29,9 +32,14 @@ spent = timer.spent
 
 
 def instrument(llm: LLM) -> None:
+    timer.wrap(core.EngineCore, "step", "engine core step (all of it)")
     timer.wrap(scheduler.Scheduler, "schedule", "schedule")
     timer.wrap(executor, "prepare_inputs", "prepare_inputs")
     timer.wrap(executor, "sampling_batch", "sampling_batch")
+    timer.wrap(executor, "later_inputs", "a round's later inputs")
+    from fd_backend_cuda import graphs
+
+    timer.wrap(graphs._Graph, "replay_head", "graph replay (uploads + launch)")
     timer.wrap(runner_module.ModelRunner, "_forward", "forward (launch)")  # step and launch both call it
     timer.wrap(core.EngineCore, "_apply", "apply tokens")
     timer.wrap(output_processor.OutputProcessor, "process", "detokenize / outputs")
@@ -62,13 +70,18 @@ def run(llm: LLM, title: str, prompts, params) -> None:
 
 
 def main() -> None:
-    sync = "--no-async-scheduling" in sys.argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K")
+    args = ap.parse_args()
     model = e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
     llm = LLM(model=str(model), device="cuda", dtype="bfloat16", max_model_len=1300, max_num_seqs=128,
-              async_scheduling=False if sync else None)
+              async_scheduling=None if args.async_scheduling else False, num_scheduler_steps=args.num_scheduler_steps)
     instrument(llm)
     run(llm, "batch 1, 128-token prompt, 257 tokens", e2e.prompts(1, 128, 1),
         SamplingParams(temperature=0, max_tokens=257, ignore_eos=True))
+    run(llm, "128 x 128-token prompts, 129 tokens (decodes, mostly)", e2e.prompts(128, 128, 1),
+        SamplingParams(temperature=0, max_tokens=129, ignore_eos=True))
     run(llm, "128 x 1024-token prompts, 128 tokens", e2e.prompts(128, 1024, 2),
         SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
     run(llm, "the same, top-k 50 / top-p 0.95 / T 0.8", e2e.prompts(128, 1024, 2),
