@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -80,11 +81,20 @@ def throughput(llm: LLM) -> None:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         llm.generate(many, params, use_tqdm=False)  # untimed: compile, capture, allocate
         llm.reset_prefix_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(many, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+        llm.reset_prefix_cache()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             llm.generate(many, params, use_tqdm=False)
         llm.reset_prefix_cache()
-        print(f"==== {label}")
+        spans = kernel_spans(prof.events())
+        busy, kernels = busy_us(spans)
+        print(f"==== {label}: {wall:.1f} ms unprofiled, GPU busy {busy / 1e3:.1f} ms (profiled), {kernels} kernels")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+        print_exclusive(spans, 1)
 
 
 def host_speed() -> str:
@@ -210,10 +220,12 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None, help="batch1, mixed: write the timeline here")
     ap.add_argument("--model", type=Path, default=None,
                     help="a checkpoint folder (e.g. quantized.py's Llama-3-8B shape); default: the ERNIE-4.5-0.3B shape")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
+                    help="rounds of K decode steps (the engine's flag); the figures stay per device step")
     args = ap.parse_args()
     model = args.model or e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
     llm = LLM(model=str(model), device="cuda", dtype="bfloat16",
-              max_model_len=1300, max_num_seqs=128)
+              max_model_len=1300, max_num_seqs=128, num_scheduler_steps=args.num_scheduler_steps)
     if args.load == "batch1":
         batch1(llm, args.trace, args.batch)
     elif args.load == "mixed":

@@ -55,15 +55,17 @@ def main() -> None:
         tag = f"{bm}x{bn} w{w} s{st}"
         bk.bench_attention(f"prefill 4096 fresh   {tag}", [(0, 4096)])
         bk.bench_attention(f"chunk 2048/ctx 6144  {tag}", [(6144, 2048)])
-    print("decode tiles (block_n, num_warps, num_stages), no split", flush=True)
+    print("decode tiles (block_n, num_warps, num_stages), split-K as planned; GPU time in a graph", flush=True)
+    loads = [  # (name, sequences, query heads, KV heads)
+        ("0.3B 128 x 1088", [(1088, 1)] * 128, 16, 2), ("0.3B 32 x 1088", [(1088, 1)] * 32, 16, 2),
+        ("0.3B 1 x 1152", [(1152, 1)], 16, 2), ("8B 128 x 1088", [(1088, 1)] * 128, 32, 8),
+    ]
     for bn, w, st in [
-        (64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 4, 2), (64, 2, 3), (128, 8, 3), (64, 4, 4),
-        (128, 4, 2), (32, 2, 4),
+        (64, 4, 3), (64, 4, 2), (64, 2, 2), (32, 4, 3), (128, 4, 2), (128, 4, 3), (128, 2, 2), (128, 8, 2),
     ]:  # fmt: skip
         with_tiles(small={"block_n": bn, "num_warps": w, "num_stages": st})
-        tag = f"n{bn} w{w} s{st}"
-        bk.bench_attention(f"decode 64 x 2048     {tag}", [(2048, 1)] * 64, num_splits=1)
-        bk.bench_attention(f"decode 256 x 1024    {tag}", [(1024, 1)] * 256, num_splits=1)
+        for name, seqs, hq, hk in loads:
+            bk.bench_attention(f"decode {name:16s} n{bn} w{w} s{st}", seqs, hq=hq, hk=hk, graphed=True)
     attention._tiles = ORIGINAL
 
 
