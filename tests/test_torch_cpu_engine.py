@@ -354,3 +354,57 @@ def test_a_forward_replacement_may_run_the_head_of_decode_steps(tmp_path, checkp
     assert hooks.calls and max(hooks.calls) <= len(prompts())
     eager, _ = generate(model_dir, params, runtime="torch", enforce_eager=True)
     assert eager == want
+
+
+class _SampleHooks(_HeadHooks):
+    """``_HeadHooks`` whose replacement also draws a decode step's tokens with the sampler the
+    runner attaches (API 1.20's ``attach_sampler`` / ``with_sample``): ``draw`` says whether it
+    takes the sampler, ``every``: it draws every ``every``-th step and hands the others' logits
+    back to be sampled by the runner."""
+
+    def __init__(self, draw: bool = True, every: int = 1) -> None:
+        super().__init__()
+        self.draw, self.every, self.sampled, self.handed_back = draw, every, 0, 0
+
+    def wrap_forward(self, forward, limits):
+        replacement = super().wrap_forward(forward, limits)
+        hooks = self
+
+        def attach_sampler(sample):
+            replacement.sample = sample
+            return hooks.draw
+
+        def with_sample(ids, positions, kv_caches, meta, batch):
+            assert hooks.draw, "with_sample called on a replacement that declined the sampler"
+            hidden, logits = replacement.with_head(ids, positions, kv_caches, meta)
+            if (hooks.sampled + hooks.handed_back) % hooks.every:
+                hooks.handed_back += 1
+                return hidden, logits, None
+            hooks.sampled += 1
+            return hidden, logits, replacement.sample(logits, batch)
+
+        replacement.attach_sampler, replacement.with_sample = attach_sampler, with_sample
+        return replacement
+
+
+@pytest.mark.parametrize("draw, every", [(True, 1), (True, 2), (False, 1)], ids=["draws", "half", "declines"])
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_forward_replacement_may_draw_the_tokens_of_decode_steps(tmp_path, checkpoints, monkeypatch, draw, every,
+                                                                  async_scheduling):
+    """The runner attaches its sample_async to a replacement that can draw (API 1.20) and takes
+    the draw of each decode step it hands over, greedy and seeded alike, or samples the logits
+    itself where the replacement hands them back or declined the sampler."""
+    from fd_core import SamplingParams
+    from tests.plugins.host_fed import async_cpu_registry
+
+    async_cpu_registry(monkeypatch, "torch")
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 4
+    want, _ = generate(model_dir, params, runtime="torch", async_scheduling=False)
+    hooks = _SampleHooks(draw, every)
+    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
+    got, llm = generate(model_dir, params, runtime="torch", async_scheduling=async_scheduling)
+    assert got == want
+    assert llm.engine.runner._with_sample == draw
+    assert (hooks.sampled > 0) == draw and (hooks.handed_back > 0) == (every > 1)

@@ -267,6 +267,7 @@ class ModelRunner:
         self._staging_blocks = 0
         self.forward = model.forward
         self._with_head = False  # self.forward.with_head runs a decode step's forward and head
+        self._with_sample = False  # self.forward.with_sample samples it too (API 1.20)
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
         # a draft model's forward has the target's signature, so the hook may replace it too
@@ -284,6 +285,10 @@ class ModelRunner:
             if attach is not None and not getattr(getattr(model, "tp", None), "enabled", False):
                 attach(model.compute_logits)
                 self._with_head = True
+                # and one that can draw the step's tokens in it with the op table's sampler (1.20)
+                attach_sampler = getattr(self.forward, "attach_sampler", None)
+                if attach_sampler is not None and ops.has("sample_async"):
+                    self._with_sample = bool(attach_sampler(ops.sample_async))
 
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str, model: Any = None) -> list[tuple[Any, Any]]:
         m = model or self.model  # its own heads: a tensor-parallel rank holds a slice
@@ -404,10 +409,12 @@ class ModelRunner:
         free, total = self.memory.memory_info()
         return free, total, peak
 
-    def _forward(self, inputs: StepInputs, eager: bool, feed: Feed | None) -> tuple[Any, Any, Any]:
+    def _forward(self, inputs: StepInputs, eager: bool, feed: Feed | None,
+                 batch: SamplingBatch | None = None) -> tuple[Any, Any, Any, Any]:
         """The step's hidden states, its int64 inputs on the device (input ids, positions,
-        logit rows, then the prompt rows and the tokens they score, then the feed's), and the
-        logits where the forward's replacement computed them with it (else None)."""
+        logit rows, then the prompt rows and the tokens they score, then the feed's), the
+        logits where the forward's replacement computed them with it (else None), and its
+        draw of ``batch``'s rows (a PendingSample) where it sampled them too (else None)."""
         n, rows, scored = len(inputs.input_ids), len(inputs.logit_rows), len(inputs.prompt_rows)
         parts = [inputs.input_ids, inputs.positions, inputs.logit_rows]
         if scored:
@@ -421,11 +428,15 @@ class ModelRunner:
             k, at = len(feed.dest), 2 * n + rows + 2 * scored
             ids = feed.tokens.feed(ids, packed[at : at + k], packed[at + k :])
         if self._with_head and not eager and _every_row_samples(inputs):
+            if self._with_sample and batch is not None:
+                got = self.forward.with_sample(ids, packed[n : 2 * n], self.kv_caches, inputs.meta, batch)
+                if got is not None:
+                    return got[0], packed, got[1], got[2]
             both = self.forward.with_head(ids, packed[n : 2 * n], self.kv_caches, inputs.meta)
             if both is not None:
-                return both[0], packed, both[1]
+                return both[0], packed, both[1], None
         forward = self.model.forward if eager else self.forward
-        return forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta), packed, None
+        return forward(ids, packed[n : 2 * n], self.kv_caches, inputs.meta), packed, None, None
 
     def _logits(self, inputs: StepInputs, hidden: Any, packed: Any, logits: Any = None) -> Any:
         """The logits of the step's sampling rows (``logits``: the forward's own, if it made
@@ -462,7 +473,8 @@ class ModelRunner:
         Every rank of a tensor-parallel model runs this with the same inputs. ``eager``: the
         model's own forward, not a hook's replacement. ``feed``: input ids still on the device
         (``Feed``), written over the placeholders of ``inputs.input_ids``."""
-        return self._logits(inputs, *self._forward(inputs, eager, feed))
+        hidden, packed, logits, _ = self._forward(inputs, eager, feed)
+        return self._logits(inputs, hidden, packed, logits)
 
     def step(self, inputs: StepInputs, batch: SamplingBatch | None,
              before_sample: Callable[[SamplingBatch], None] | None = None,
@@ -472,7 +484,7 @@ class ModelRunner:
         given no batch) only takes part in the collectives. ``before_sample`` completes
         ``batch`` once the forward is queued (structured output's bitmask: on a device that
         computes asynchronously, the host fills it while the forward runs)."""
-        return self._step(inputs, batch, None, before_sample, self.ops.sample, lead)
+        return self._step(inputs, batch, None, before_sample, self.ops.sample, lead, wait=True)
 
     def launch(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None = None,
                before_sample: Callable[[SamplingBatch], None] | None = None, lead: bool = True
@@ -490,12 +502,14 @@ class ModelRunner:
 
     def _step(self, inputs: StepInputs, batch: SamplingBatch | None, feed: Feed | None,
               before_sample: Callable[[SamplingBatch], None] | None, sample: Callable[..., Any],
-              lead: bool) -> tuple[Any, SampleOutput | None]:
-        hidden, packed, logits = self._forward(inputs, False, feed)
+              lead: bool, wait: bool = False) -> tuple[Any, SampleOutput | None]:
+        # a batch completed after the forward is queued (a grammar's bitmask) is sampled by the op
+        hidden, packed, logits, drawn = self._forward(inputs, False, feed, batch if before_sample is None else None)
         if getattr(self.proposer, "reads_target_hidden", False):
             self._target_hidden = hidden  # until the proposer has read this step's rows
+        if drawn is not None:  # the forward's replacement sampled the rows (with_sample)
+            return (drawn.result() if wait else drawn), self._score_prompts(inputs, hidden, packed, lead)
         logits = self._logits(inputs, hidden, packed, logits)
-        drawn = None
         if batch is not None and logits is not None:
             if before_sample is not None:
                 before_sample(batch)

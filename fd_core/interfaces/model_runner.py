@@ -59,5 +59,14 @@ class ModelRunnerHooks(Protocol):
         logits of every row) before ``warm_up``, and for a step every row of which samples, in
         order (a decode step), calls ``with_head`` for ``(hidden, logits)`` at once (a graph
         holding both), or None where it does not take the step (the runner then runs the
-        forward and the head). Not attached under tensor parallelism."""
+        forward and the head). Not attached under tensor parallelism.
+
+        With the head attached it may have ``attach_sampler(sample_async)`` and
+        ``with_sample(ids, positions, kv_caches, meta, batch)`` (API 1.20): the runner attaches
+        its op table's ``sample_async`` (the replacement answers whether it will draw with it:
+        one it cannot hold, e.g. another package's pinned by ``--op``, it leaves to the runner),
+        and for a decode step whose batch the runner completes before the forward (no grammar
+        bitmask filled later) calls ``with_sample`` for ``(hidden, logits, pending)``: the
+        step's draw as ``sample_async`` would make it, or None as ``pending`` where the runner is
+        to sample the logits itself; None for the whole where it does not take the step."""
         ...

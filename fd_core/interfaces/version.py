@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.19.0"
+API_VERSION = "1.20.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -56,6 +56,10 @@ API_VERSION = "1.19.0"
 #      1.19: on an H200 (2026-11-28) cuda's fusion made a batch-1 decode step of ERNIE-4.5-0.3B
 #      slower (GPU time 544 vs 535 us with silu_and_mul then linear), every program of the fused
 #      kernel re-reading and re-activating the whole gate/up row
+# 1.20: a wrap_forward replacement's optional attach_sampler / with_sample: a decode step's
+#      forward, head and draw of its tokens in one call (a graph holding the sampling kernel
+#      too), with the op table's sample_async attached so that a replacement draws only with
+#      the sampler the runner chose
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -49,14 +49,14 @@ def sampler(runtime: str) -> Callable[[Any, Any], HostFed]:
     return lambda logits, batch: HostFed(sample(logits, batch))
 
 
-def async_cpu_registry(monkeypatch: Any) -> Any:
+def async_cpu_registry(monkeypatch: Any, runtime: str = "paddle") -> Any:
     """Install, for one test, a process registry whose cpu device has this ``sample_async``
-    (the Paddle reference's sample); returns it."""
+    (``runtime``'s reference sample); returns it."""
     from fd_core.plugins import registry as registry_module
     from fd_core.plugins.registry import BackendRegistry
 
     registry = BackendRegistry()
-    registry.ops.register("sample_async", "cpu", sampler("paddle"), name="host-fed", runtime="paddle")
+    registry.ops.register("sample_async", "cpu", sampler(runtime), name="host-fed", runtime=runtime)
     monkeypatch.setattr(registry_module, "_registry", registry)
     HostFed.fed = 0
     return registry

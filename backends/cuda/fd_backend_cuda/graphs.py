@@ -15,7 +15,11 @@ cache slot -1 (their keys and values are not stored), the rule ``attention.py`` 
 
 Where the runner attaches the model's head (``attach_head``), each decode graph also computes
 the logits of every row after the forward (``with_head``), so a decode step's LM head is part of
-the replay.
+the replay. Where it attaches this backend's own ``sample_async`` too (``attach_sampler``), the
+graph then runs the sampling kernel over those logits, reading the rows' parameters from a
+buffer written before the replay (``with_sample``): a batch the kernel samples alone (no bias,
+penalties, suppressed tokens, bitmask or top logprobs) costs the host no sampler launch. For any
+other batch the graph's draw is ignored and the op samples the logits as before.
 
 Every other step — prefill chunks alone or beside decodes — replays a *mixed* graph captured
 for the smallest token bucket ``T`` that holds it (``mixed_capture_sizes``: 64 to 8192 tokens,
@@ -51,6 +55,7 @@ from fd_core.interfaces import AttentionMetadata, RunnerLimits
 from fd_core.phases import phase
 from fd_core.runtimes.torch.ops import upload
 
+from fd_backend_cuda.kernels import sampling
 from fd_backend_cuda.kernels._common import sm_count
 from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, MixedPlan, static_step_tensors
 
@@ -189,14 +194,37 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None  # the head's, where one was captured
+        self.params: torch.Tensor | None = None  # the rows' sampling parameters, where a draw was captured
+        self.drawn: torch.Tensor | None = None  # its int64 [size, 4] rows (sampling.launch_draw)
 
     def capture(self, forward: Callable[..., Any], kv_caches: list, pool: Any,
-                head: Callable[..., Any] | None = None) -> None:
-        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-            hidden = forward(self.ids, self.positions, kv_caches, self.meta)
-            return hidden, None if head is None else head(hidden, None)
+                head: Callable[..., Any] | None = None,
+                scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``scratch``: the draw's ``(ids, xs)`` rows (``sampling.launch_draw``), shared by every
+        graph (one replays at a time); given with ``head``, the graph draws after it."""
+        device = self.ids.device
+        if head is not None and scratch is not None:  # greedy until a replay writes the rows' parameters
+            self.params = torch.zeros(self.size, 6, dtype=torch.int64, device=device)
+            draw_scratch = (scratch[0][: self.size], scratch[1][: self.size])
 
-        self.graph, (self.output, self.logits) = _captured(run, pool)
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            hidden = forward(self.ids, self.positions, kv_caches, self.meta)
+            logits = None if head is None else head(hidden, None)
+            if self.params is None:
+                return hidden, logits, None
+            drawn = torch.empty(self.size, 4, dtype=torch.int64, device=device)
+            return hidden, logits, sampling.launch_draw(logits, logits, self.params, drawn, *draw_scratch)
+
+        self.graph, (self.output, self.logits, self.drawn) = _captured(run, pool)
+
+    def replay_sample(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      batch: Any) -> tuple[torch.Tensor, torch.Tensor, sampling.DeviceSample]:
+        """``replay_head`` with the captured draw over the batch's rows (``sampling.is_plain``)."""
+        vocab = self.logits.shape[1]
+        upload(sampling.batch_params(batch, vocab), self.params.device, into=self.params[: meta.num_seqs])
+        hidden, logits = self.replay_head(ids, positions, meta)
+        # the next step's feed reads these rows on the device before its replay writes them again
+        return hidden, logits, sampling.DeviceSample(self.drawn[: meta.num_seqs], 0)
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.replay_head(ids, positions, meta)[0]
@@ -264,6 +292,8 @@ class GraphedForward:
         self.mixed_graphs: dict[int, _MixedGraph] = {}
         self.mixed_replays = 0
         self.head: Callable[..., Any] | None = None
+        self.sampler = False  # the decode graphs draw too (attach_sampler)
+        self._draw_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool = None
         self.kv_caches: list | None = None
         self.replays = 0
@@ -275,6 +305,16 @@ class GraphedForward:
         of a batch-1 step's host time, H200 host). Before ``warm_up``."""
         self.head = head
         self.graphs.clear()
+
+    def attach_sampler(self, sample: Callable[..., Any]) -> bool:
+        """Draw in each decode graph, after the head, where ``sample`` (the runner's chosen
+        ``sample_async``) is this backend's: another implementation (``--op sample_async=...``)
+        is left to run as the runner calls it. Before ``warm_up``; returns whether it draws."""
+        from fd_backend_cuda import ops  # the op module imports this one
+
+        self.sampler = self.head is not None and sample is ops.sample_async
+        self.graphs.clear()
+        return self.sampler
 
     def mixed_bucket(self, num_tokens: int) -> int | None:
         return _smallest(self.mixed_sizes, num_tokens)
@@ -360,7 +400,14 @@ class GraphedForward:
         graph = self.graphs.get((size, q))
         if graph is None:
             graph = _Graph(size, self.limits, device, q)
-            graph.capture(self.forward, kv_caches, self.pool, self.head if q == 1 else None)
+            scratch = None
+            if self.sampler and q == 1:
+                if self._draw_scratch is None:
+                    rows = max(self.sizes)
+                    self._draw_scratch = (torch.empty(rows, sampling.CAP, dtype=torch.int32, device=device),
+                                          torch.empty(rows, sampling.CAP, dtype=torch.float32, device=device))
+                scratch = self._draw_scratch
+            graph.capture(self.forward, kv_caches, self.pool, self.head if q == 1 else None, scratch)
             self.graphs[(size, q)] = graph
         return graph
 
@@ -388,6 +435,22 @@ class GraphedForward:
         self.replays += 1
         hidden, logits = self._graph(size, kv_caches, ids.device).replay_head(ids, positions, meta)
         return hidden, self.head(hidden, None) if logits is None else logits
+
+    def with_sample(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
+                    batch: Any) -> tuple[torch.Tensor, torch.Tensor, sampling.DeviceSample | None] | None:
+        """``with_head``'s hidden states and logits, and the graph's draw of the batch's rows
+        where the kernel samples them alone (else None: the runner samples the logits); None
+        where the step is not a decode a graph holds."""
+        if not self.sampler or not sampling.is_plain(batch):
+            both = self.with_head(ids, positions, kv_caches, meta)
+            return None if both is None else (*both, None)
+        if ids.device.type != "cuda" or self._shape(ids.shape[0], meta) != 1:
+            return None
+        size = self.bucket(meta.num_seqs)
+        if size is None:
+            return None
+        self.replays += 1
+        return self._graph(size, kv_caches, ids.device).replay_sample(ids, positions, meta, batch)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:

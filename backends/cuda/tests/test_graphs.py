@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_scheduling: bool = True,
-              kv_cache_dtype: str = "auto", budget: int | None = None, num_scheduler_steps: int = 1):
+              kv_cache_dtype: str = "auto", budget: int | None = None, num_scheduler_steps: int = 1,
+              logprobs: int | None = None):
     from fd_core import LLM, SamplingParams
 
     llm = LLM(model=str(path), device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=40,
@@ -26,8 +27,11 @@ def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_sc
     for count in counts:  # batch sizes that fall in several buckets, most of them padded
         prompts = [rng.integers(3, 400, size=int(rng.integers(4, 60))).tolist() for _ in range(count)]
         params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=int(rng.integers(8, 40)),
-                                 ignore_eos=True) for i in range(count)]
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+                                 ignore_eos=True, logprobs=logprobs if i % 3 == 0 else None) for i in range(count)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if logprobs:
+            results.append([[sorted(d) for d in o.outputs[0].logprobs or []] for o in outs])
     forward = llm.engine.core.executor.runner.forward
     captured = sorted(size for size, q in getattr(forward, "graphs", {}) if q == 1)  # the decode buckets
     assert getattr(forward, "replays", 0) > 0 or enforce_eager
@@ -35,6 +39,8 @@ def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_sc
     mixed_on = not enforce_eager and os.environ.get("FD_CUDA_MIXED_GRAPH_TOKENS") != "0"
     assert (getattr(forward, "mixed_replays", 0) > 0) == mixed_on
     assert (llm.engine.stats["rounds"] > 0) == (num_scheduler_steps > 1)
+    # the decode graphs draw the tokens themselves (API 1.20's attach_sampler)
+    assert llm.engine.core.executor.runner._with_sample == (not enforce_eager)
     llm.engine.core.shutdown()
     return results, captured
 
@@ -47,6 +53,15 @@ def test_graph_replays_give_the_eager_tokens(llama):
     eager, none = _generate(llama, True, "float32", counts)
     assert none == []  # --enforce-eager captures nothing
     assert captured == [1, 2, 4, 8, 16, 24, 32, 40]  # every bucket, at start-up
+    assert graphed == eager
+
+
+def test_graph_draws_beside_the_op_s_samples(llama):
+    """Float32: batches with top logprobs are sampled by the op after the graph's forward and
+    head, the others drawn inside the graph; tokens and top-logprob ids equal the eager steps'."""
+    counts = [5, 17]
+    graphed, _ = _generate(llama, False, "float32", counts, logprobs=2)
+    eager, _ = _generate(llama, True, "float32", counts, logprobs=2)
     assert graphed == eager
 
 

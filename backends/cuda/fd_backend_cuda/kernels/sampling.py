@@ -512,34 +512,12 @@ def _sample_kernel(
     tl.store(out + 3, (raw_max + log_total).to(tl.int32, bitcast=True).to(tl.int64))
 
 
-def draw(
-    x: torch.Tensor,
-    raw: torch.Tensor,
-    temperature: np.ndarray,
-    top_k: np.ndarray,
-    top_p: np.ndarray,
-    min_p: np.ndarray,
-    seeds: np.ndarray,
-    steps: np.ndarray,
-    cap: int = CAP,
-    block: int | None = None,
-    words: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One launch for a step's rows: float32 logits ``x [S, V]`` after the bias, penalties and
-    suppression (``raw`` before them: the same tensor where the batch has none), the grammar's
-    packed bitmask ``words`` (int32 ``[S, W]`` on the device, ``upload_bitmask``) applied as the
-    kernel reads ``x``,
-    per-row host parameters (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch,
-    from which the kernel derives each row's noise keys). Returns int64 ``[S, 4]`` on the device:
-    token id, rank, and the float32 bit patterns of the token's raw logprob and of the row's raw
-    logsumexp. ``cap``: candidates a search gathers into scratch (a power of two; small values
-    exercise the gathering in tests)."""
-    rows, vocab = x.shape
-    out = torch.empty(rows, 4, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return out
+def pack_params(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The kernel's per-row parameters, int64 ``[S, 6]``: the float32 bit patterns of temperature,
+    top-p and min-p, then top-k (0 where off), seed and step: one upload for all of them."""
     floats = np.stack([temperature, top_p, min_p], axis=1).astype(np.float32)
-    params = np.concatenate(
+    return np.concatenate(
         [
             floats.view(np.int32).astype(np.int64),
             np.asarray(top_k, dtype=np.int64)[:, None],
@@ -548,9 +526,40 @@ def draw(
         ],
         axis=1,
     )
-    params = torch_ops.upload(params, x.device)  # one upload for every per-row parameter
-    ids = torch.empty(rows, cap, dtype=torch.int32, device=x.device)
-    xs = torch.empty(rows, cap, dtype=torch.float32, device=x.device)
+
+
+def batch_params(batch: SamplingBatch, vocab: int) -> np.ndarray:
+    """``pack_params`` of a batch's rows (top-k at or past the vocabulary is off)."""
+    return pack_params(batch.temperature, _top_k(batch.top_k, vocab), batch.top_p, batch.min_p, batch.seeds,
+                       batch.steps)
+
+
+def _top_k(top_k: np.ndarray, vocab: int) -> np.ndarray:
+    return np.where((top_k > 0) & (top_k < vocab), top_k, 0)
+
+
+def is_plain(batch: SamplingBatch) -> bool:
+    """Whether the batch samples with the kernel alone: no logit bias, penalties, suppressed
+    tokens, bitmask or top logprobs (each a torch step around it)."""
+    return (batch.logit_bias is None and batch.num_logprobs == 0 and batch.allowed_token_bitmask is None
+            and not batch.needs_penalties and not any(len(t) for t in batch.suppress_token_ids))
+
+
+def launch_draw(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    params: torch.Tensor,
+    out: torch.Tensor,
+    ids: torch.Tensor,
+    xs: torch.Tensor,
+    words: torch.Tensor | None = None,
+    cap: int = CAP,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``_sample_kernel`` over the rows of ``x`` into ``out`` (int64 ``[S, 4]``), with the rows'
+    ``pack_params`` already on the device and scratch ``ids`` / ``xs`` of ``[S, cap]``: nothing
+    allocated, so a CUDA graph can hold it (the decode graphs of ``graphs.py``)."""
+    rows, vocab = x.shape
     if block is None:
         block = INTERPRETER_BLOCK if interpreting() else BLOCK
     block = min(block, next_pow2(vocab))
@@ -579,6 +588,38 @@ def draw(
         enable_fp_fusion=False,  # no fused multiply-adds: the spec rounds each operation
     )
     return out
+
+
+def draw(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    seeds: np.ndarray,
+    steps: np.ndarray,
+    cap: int = CAP,
+    block: int | None = None,
+    words: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One launch for a step's rows: float32 logits ``x [S, V]`` after the bias, penalties and
+    suppression (``raw`` before them: the same tensor where the batch has none), the grammar's
+    packed bitmask ``words`` (int32 ``[S, W]`` on the device, ``upload_bitmask``) applied as the
+    kernel reads ``x``,
+    per-row host parameters (``top_k`` 0 where off; ``seeds`` and ``steps`` as in SamplingBatch,
+    from which the kernel derives each row's noise keys). Returns int64 ``[S, 4]`` on the device:
+    token id, rank, and the float32 bit patterns of the token's raw logprob and of the row's raw
+    logsumexp. ``cap``: candidates a search gathers into scratch (a power of two; small values
+    exercise the gathering in tests)."""
+    rows, vocab = x.shape
+    out = torch.empty(rows, 4, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    params = torch_ops.upload(pack_params(temperature, top_k, top_p, min_p, seeds, steps), x.device)
+    ids = torch.empty(rows, cap, dtype=torch.int32, device=x.device)
+    xs = torch.empty(rows, cap, dtype=torch.float32, device=x.device)
+    return launch_draw(x, raw, params, out, ids, xs, words, cap, block)
 
 
 def _float_bits(x: torch.Tensor) -> torch.Tensor:
@@ -634,9 +675,8 @@ def sample_async(
         words = mask.upload(x.device) if isinstance(mask, GatedBitmask) else torch_ops.upload_bitmask(mask, x.device)
     x = x.contiguous()
 
-    top_k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, 0)
     packed = draw(
-        x, raw, batch.temperature, top_k, batch.top_p, batch.min_p, batch.seeds, batch.steps,
+        x, raw, batch.temperature, _top_k(batch.top_k, vocab), batch.top_p, batch.min_p, batch.seeds, batch.steps,
         cap=cap, block=block, words=words,
     )
     k = batch.num_logprobs
