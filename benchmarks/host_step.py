@@ -9,6 +9,7 @@ small that its forward is noise beside them.
 On a GPU host these phases run on the same Python thread that launches the step, so at 128
 sequences they bound the decode rate wherever they exceed the GPU's step (docs/PERFORMANCE.md,
 the cuda sections). Each phase prints µs a decode step (the median of ``--repeats`` runs).
+The scheduler runs with the GPU backends' budget policy (no long-prefill cap), not the CPU's.
 Without a tokenizer (``skip_tokenizer_init``): a random model's tokens are random bytes, which
 the detokenizer must take one by one, a cost real text does not have.
 """
@@ -53,7 +54,10 @@ def main() -> None:
                                        max_position_embeddings=args.tokens + 64)
         llm = LLM(model=str(model), device="cpu", runtime="torch", max_num_seqs=args.seqs,
                   max_model_len=args.tokens + 64, max_num_batched_tokens=8192, skip_tokenizer_init=True,
-                  num_kv_blocks=args.seqs * ((args.tokens + 64) // 8 + 2))
+                  num_kv_blocks=args.seqs * ((args.tokens + 64) // 8 + 2),
+                  # the GPU backends' budget policy: no long-prefill cap, so schedule() hands no
+                  # leftover budget back (the CPU backend's default of 24 made it do so every step)
+                  long_prefill_token_threshold=0)
         prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(16)]} for i in range(args.seqs)]
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         runs: dict[str, list[float]] = collections.defaultdict(list)

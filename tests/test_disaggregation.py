@@ -459,6 +459,8 @@ def test_roles_are_checked_at_start_up():
     assert configure_engine(EngineConfig(model="m"), prefill).async_scheduling is False
     with pytest.raises(ConfigError, match="--async-scheduling"):
         configure_engine(EngineConfig(model="m", async_scheduling=True), prefill)
+    with pytest.raises(ConfigError, match="--role prefill: --num-scheduler-steps .* a prefill instance decodes none"):
+        configure_engine(EngineConfig(model="m", num_scheduler_steps=4), prefill)
     draft = EngineConfig(model="m", speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match=r"speculative decoding with a model of its own \(draft_model\)"):
         configure_engine(draft, SchedulerConfig(name="splitwise", role="decode"))

@@ -82,6 +82,9 @@ def configure_engine(config: Any, scheduler: SchedulerConfig) -> Any:
         if config.async_scheduling:
             raise ConfigError("--role prefill: --async-scheduling cannot be on: a prefill instance stops each request "
                               "on its first token")
+        if config.num_scheduler_steps > 1:
+            raise ConfigError("--role prefill: --num-scheduler-steps runs rounds of decode steps, and a prefill "
+                              "instance decodes none (each request stops on its first token); leave it at 1")
         config = dataclasses.replace(config, async_scheduling=False)
     return config
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fd_core.engine.model_runner import StepInputs, ragged_inputs
 from fd_core.interfaces import (
     AttentionMetadata,
     Capabilities,
@@ -183,8 +184,16 @@ def _silu_and_mul(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
 
 def attention_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[AttentionMetadata, tuple[np.ndarray, np.ndarray]]:
+    """``attention_inputs``' metadata and caches."""
+    inputs, caches = attention_inputs(rng, seqs, block_size, num_kv_heads, head_dim)
+    return inputs.meta, caches
+
+
+def attention_inputs(rng: np.random.Generator, seqs: list[tuple[int, int]], block_size: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[StepInputs, tuple[np.ndarray, np.ndarray]]:
     """A step over ``seqs`` = ``[(context_len, query_len)]`` with shuffled, non-contiguous block
-    tables and a cache full of noise (the cached context included)."""
+    tables and a cache full of noise (the cached context included): its inputs as the engine
+    builds them (positions, slots, attention metadata; the ids are unused) and the caches."""
     totals = [c + n for c, n in seqs]
     need = [-(-t // block_size) for t in totals]
     num_blocks = sum(need) * 2 + 3
@@ -194,18 +203,11 @@ def attention_step(rng: np.random.Generator, seqs: list[tuple[int, int]], block_
     for i, b in enumerate(need):
         tables[i, :b] = free[used: used + b]
         used += b
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
-    meta = AttentionMetadata(
-        query_start_loc=np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
-        seq_lens=np.array(totals, dtype=np.int64),
-        context_lens=np.array([c for c, _ in seqs], dtype=np.int64),
-        block_tables=tables,
-        slot_mapping=np.array(slots, dtype=np.int64),
-        block_size=block_size,
-    )
+    query_lens = np.array([n for _, n in seqs], dtype=np.int64)
+    inputs = ragged_inputs(np.zeros(int(query_lens.sum()), dtype=np.int64), tables,
+                           np.array([c for c, _ in seqs], dtype=np.int64), query_lens, block_size)
     shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    return meta, (_randn(rng, *shape), _randn(rng, *shape))
+    return inputs, (_randn(rng, *shape), _randn(rng, *shape))
 
 
 def _attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> None:
@@ -235,11 +237,10 @@ def _rotary_attention(case: OpCase, fn: Callable, dev: Device, impl: str) -> Non
     p = case.params
     rng = _rng(case)
     (hq, hk), d, rot, style = p["heads"], case.head_dim, p["rotary_dim"], p["style"]
-    meta, (key_cache, value_cache) = attention_step(rng, p["seqs"], p["block_size"], hk, d)
+    step, (key_cache, value_cache) = attention_inputs(rng, p["seqs"], p["block_size"], hk, d)
+    meta = step.meta
     n = int(meta.query_start_loc[-1])
-    qlens = meta.query_lens
-    positions, pos = dev.put(np.repeat(meta.context_lens, qlens) + np.arange(n)
-                             - np.repeat(meta.query_start_loc[:-1], qlens))  # each new token's
+    positions, pos = dev.put(step.positions)  # each new token's
     q, qh = dev.put(_randn(rng, n, hq, d))
     k, kh = dev.put(_randn(rng, n, hk, d))
     v, vh = dev.put(_randn(rng, n, hk, d))

@@ -1,11 +1,15 @@
 """GPU kernel time of ``e2e.py``'s loads, by kernel, from ``torch.profiler``.
 
     python backends/cuda/benchmarks/gpu_profile.py [--load throughput|batch1|mixed] [--batch N] [--trace FILE]
-        [--model FOLDER]
+        [--model FOLDER] [--num-scheduler-steps K]
 
 ``throughput`` (the default): 128 × 1024-token prompts, bfloat16, once for the prefill alone
 (``max_tokens=1``) and once for the whole load (128 tokens), so decode's share is the
-difference. The sum of kernel times is the floor the host's work per step is measured against.
+difference: each load's unprofiled wall time, the GPU's busy time (profiled) and the kernels by
+exclusive time. The sum of kernel times is the floor the host's work per step is measured against.
+
+The host's operations in a profiled run are CUPTI's view: ``cudaGraphLaunch`` there costs ~2 µs
+a node of the graph, against 3-6 µs for the whole launch unprofiled (``launch_cost.py``).
 
 ``batch1``: one 128-token prompt decoding 128 tokens as ``e2e.py`` times it (CUDA graphs,
 asynchronous scheduling); ``--batch N``: N such prompts decoding together. Host and GPU are both
