@@ -542,13 +542,13 @@ class EngineCore:
         seqs = self.seqs.get(request_id, [])
         for seq in seqs:
             if (index is None or seq.index == index) and not seq.finished:
+                while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # never read
+                    seq.output_token_ids.pop()
                 self.scheduler.finish(seq)
                 self._scoring.discard(seq)
                 if seq in self._prefilled:
                     self._prefilled.remove(seq)
                 seq.status, seq.finish_reason, seq.grammar = Status.FINISHED, "abort", None
-                while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # never read
-                    seq.output_token_ids.pop()
         if all(s.finished for s in seqs):
             self.seqs.pop(request_id, None)
 
@@ -847,10 +847,6 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             del seq.output_token_ids[count:]  # a placeholder of a step still in flight
-            if self.num_scheduler_steps > 1:
-                # the blocks a round filled after its first step were left out of the prefix
-                # cache until read (Scheduler.advance): they join now, as far as computed
-                self.pool.commit(seq, min(seq.num_computed, seq.num_tokens - 1))
             seq.status, seq.finish_reason, output.finish_reason = Status.FINISHED, reason, reason
             seq.grammar = None
             self.scheduler.finish(seq)

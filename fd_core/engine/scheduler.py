@@ -358,16 +358,23 @@ class Scheduler:
         a sequence each): its tokens are computed (less the drafts it rejected), full blocks
         join the prefix cache. A round's later tokens are still placeholders on the host, so
         the blocks holding them join at a later step's ``advance``, once they are read."""
-        block_size, commit, proposer = self.pool.block_size, self.pool.enable_caching, self.proposer_kv
         ahead = steps - 1
         for s in out.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:  # ended on the previous step's token while this one ran
                 continue
             seq.num_computed += s.num_new - s.rejected + ahead
-            computed = (min(seq.num_computed, seq.proposer_computed) if proposer else seq.num_computed) - ahead
-            if commit and computed // block_size > seq.num_committed_blocks:  # a block filled up
-                self.pool.commit(seq, computed)
+            self._publish(seq, self._computed(seq) - ahead)
+
+    def _computed(self, seq: Sequence) -> int:
+        """Leading tokens whose keys and values are in the cache (the proposer's layers too,
+        where it keeps its own)."""
+        return min(seq.num_computed, seq.proposer_computed) if self.proposer_kv else seq.num_computed
+
+    def _publish(self, seq: Sequence, computed: int) -> None:
+        """Offer ``seq``'s full blocks within its first ``computed`` tokens to the prefix cache."""
+        if self.pool.enable_caching and computed // self.pool.block_size > seq.num_committed_blocks:
+            self.pool.commit(seq, computed)
 
     def roll_back(self, seq: Sequence) -> None:
         """After a step that rejected some of ``seq``'s drafts: release the blocks that held
@@ -403,7 +410,12 @@ class Scheduler:
         return copies
 
     def finish(self, seq: Sequence) -> None:
-        """Take ``seq`` out of scheduling (finished or aborted), releasing all it holds."""
+        """Take ``seq`` out of scheduling (finished or aborted), releasing all it holds. Its
+        output must hold only tokens read (no placeholder): blocks a round filled after its
+        first step, left out of the prefix cache by ``advance``, join it now as far as computed."""
+        if seq.output_token_ids and seq.output_token_ids[-1] < 0:  # engine/model_runner.PLACEHOLDER
+            raise RuntimeError("a sequence finished with a token still in flight; this is a bug in fd")
+        self._publish(seq, min(self._computed(seq), seq.num_tokens - 1))
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:

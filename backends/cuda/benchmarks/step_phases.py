@@ -7,7 +7,8 @@ No synchronisation is added: GPU time shows up in whichever call waits for the G
 step's tokens; with asynchronous scheduling that wait overlaps the next step, already queued).
 Each load runs twice; the second is the one to read. ``--no-async-scheduling`` times the
 synchronous engine; ``--num-scheduler-steps K`` rounds of K decode steps (figures stay per
-device step).
+device step). A decode step whose batch the graph draws (plain rows: plugin API 1.20) shows no
+"sample (launch)": its draw is inside "graph replay".
 """
 
 from __future__ import annotations

@@ -293,6 +293,7 @@ class GraphedForward:
         self.mixed_replays = 0
         self.head: Callable[..., Any] | None = None
         self.sampler = False  # the decode graphs draw too (attach_sampler)
+        self.draws = 0  # decode steps whose tokens a graph drew
         self._draw_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool = None
         self.kv_caches: list | None = None
@@ -423,17 +424,26 @@ class GraphedForward:
             return q
         return None
 
-    def with_head(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A decode step's hidden states and the attached head's logits of every row, from one
-        replay; None where the step is not a decode a graph holds (the caller runs the head)."""
+    def _decode_graph(self, ids: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> _Graph | None:
+        """The graph with the attached head that replays this step, if it is a decode one holds."""
         if self.head is None or ids.device.type != "cuda" or self._shape(ids.shape[0], meta) != 1:
             return None
         size = self.bucket(meta.num_seqs)
         if size is None:
             return None
         self.replays += 1
-        hidden, logits = self._graph(size, kv_caches, ids.device).replay_head(ids, positions, meta)
+        return self._graph(size, kv_caches, ids.device)
+
+    def with_head(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's hidden states and the attached head's logits of every row, from one
+        replay; None where the step is not a decode a graph holds (the caller runs the head)."""
+        graph = self._decode_graph(ids, kv_caches, meta)
+        return None if graph is None else self._replay_head(graph, ids, positions, meta)
+
+    def _replay_head(self, graph: _Graph, ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, logits = graph.replay_head(ids, positions, meta)
         return hidden, self.head(hidden, None) if logits is None else logits
 
     def with_sample(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata,
@@ -441,16 +451,13 @@ class GraphedForward:
         """``with_head``'s hidden states and logits, and the graph's draw of the batch's rows
         where the kernel samples them alone (else None: the runner samples the logits); None
         where the step is not a decode a graph holds."""
-        if not self.sampler or not sampling.is_plain(batch):
-            both = self.with_head(ids, positions, kv_caches, meta)
-            return None if both is None else (*both, None)
-        if ids.device.type != "cuda" or self._shape(ids.shape[0], meta) != 1:
+        graph = self._decode_graph(ids, kv_caches, meta)
+        if graph is None:
             return None
-        size = self.bucket(meta.num_seqs)
-        if size is None:
-            return None
-        self.replays += 1
-        return self._graph(size, kv_caches, ids.device).replay_sample(ids, positions, meta, batch)
+        if graph.params is None or not sampling.is_plain(batch):
+            return (*self._replay_head(graph, ids, positions, meta), None)
+        self.draws += 1
+        return graph.replay_sample(ids, positions, meta, batch)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:

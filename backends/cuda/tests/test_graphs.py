@@ -39,8 +39,10 @@ def _generate(path, enforce_eager: bool, dtype: str, counts: list[int], async_sc
     mixed_on = not enforce_eager and os.environ.get("FD_CUDA_MIXED_GRAPH_TOKENS") != "0"
     assert (getattr(forward, "mixed_replays", 0) > 0) == mixed_on
     assert (llm.engine.stats["rounds"] > 0) == (num_scheduler_steps > 1)
-    # the decode graphs draw the tokens themselves (API 1.20's attach_sampler)
+    # the decode graphs draw the tokens themselves (API 1.20's attach_sampler), every decode
+    # step's where no row asks for top logprobs
     assert llm.engine.core.executor.runner._with_sample == (not enforce_eager)
+    assert (getattr(forward, "draws", 0) > 0) == (not enforce_eager) or logprobs
     llm.engine.core.shutdown()
     return results, captured
 

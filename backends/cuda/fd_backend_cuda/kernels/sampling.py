@@ -538,11 +538,16 @@ def _top_k(top_k: np.ndarray, vocab: int) -> np.ndarray:
     return np.where((top_k > 0) & (top_k < vocab), top_k, 0)
 
 
+def _kernel_reads_logits(batch: SamplingBatch, penalised: bool, suppress: bool) -> bool:
+    """No logit bias, penalties (``penalised``), suppressed tokens (``suppress``) or top
+    logprobs: no torch step around the kernel, which reads the logits as they are."""
+    return batch.logit_bias is None and not penalised and not suppress and batch.num_logprobs == 0
+
+
 def is_plain(batch: SamplingBatch) -> bool:
-    """Whether the batch samples with the kernel alone: no logit bias, penalties, suppressed
-    tokens, bitmask or top logprobs (each a torch step around it)."""
-    return (batch.logit_bias is None and batch.num_logprobs == 0 and batch.allowed_token_bitmask is None
-            and not batch.needs_penalties and not any(len(t) for t in batch.suppress_token_ids))
+    """Whether the batch samples with the kernel alone: ``_kernel_reads_logits`` and no bitmask."""
+    return batch.allowed_token_bitmask is None and _kernel_reads_logits(
+        batch, batch.needs_penalties, any(len(t) for t in batch.suppress_token_ids))
 
 
 def launch_draw(
@@ -660,7 +665,7 @@ def sample_async(
     # cast was a kernel and an allocation on the host's per-step path. The torch-side helpers
     # (bias, penalties, suppression, top logprobs) work on float32.
     penalised = batch.needs_penalties  # a property over three arrays: once
-    plain = batch.logit_bias is None and not penalised and not suppress and batch.num_logprobs == 0
+    plain = _kernel_reads_logits(batch, penalised, suppress)
     raw = logits if plain else logits.float()
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
