@@ -15,6 +15,16 @@ import gc
 
 
 def freeze_startup_heap() -> None:
-    """Collect start-up's garbage, then freeze what is left (call again after later set-up)."""
+    """Collect start-up's garbage, then freeze what is left (call again after later set-up).
+    What an earlier call froze is collected too: a process that builds engine after engine (a
+    test run, a notebook) frees the dropped ones here rather than never."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Give what was frozen back to the collector: an engine that is shut down no longer needs
+    its start-up heap kept out of collections, and objects of it (or of the program around it)
+    that have become unreachable in cycles since can be freed."""
+    gc.unfreeze()

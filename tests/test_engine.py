@@ -370,3 +370,32 @@ def test_outputs_carry_token_times_when_the_caller_times_them(model_dir):
     assert rest[-1].finished and rest[-1].metrics.last_token_time == m.first_token_time + 3
     offline = llm.generate([ids], params, use_tqdm=False)[0]
     assert offline.metrics is None  # nobody times the offline API's steps
+
+
+def test_an_offline_engine_keeps_its_start_up_heap_out_of_collections(model_dir):
+    """As fd serve's processes: once the in-process engine is built, what start-up made is
+    frozen (a full collection no longer walks it); shutting the engine down gives it back, and
+    a new engine first frees what was dropped in cycles since the last froze."""
+    import gc
+    import weakref
+
+    from fd_core import LLM
+
+    class Cycle:
+        pass
+
+    first = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64)
+    assert gc.get_freeze_count() > 0
+    dropped = Cycle()
+    dropped.me = dropped  # unreachable in a cycle once dropped: only a collection frees it
+    gone = weakref.ref(dropped)
+    gc.collect()
+    gc.freeze()  # as a later engine's start-up would have frozen it while it was alive
+    del dropped
+    gc.collect()
+    assert gone() is not None  # frozen: collections pass it by
+    second = LLM(model=str(model_dir), device="cpu", num_kv_blocks=64)
+    assert gone() is None and gc.get_freeze_count() > 0
+    first.engine.core.shutdown()
+    second.engine.core.shutdown()
+    assert gc.get_freeze_count() == 0

@@ -408,3 +408,69 @@ def test_a_forward_replacement_may_draw_the_tokens_of_decode_steps(tmp_path, che
     assert got == want
     assert llm.engine.runner._with_sample == draw
     assert (hooks.sampled > 0) == draw and (hooks.handed_back > 0) == (every > 1)
+
+
+class _AdvanceHooks(_SampleHooks):
+    """``_SampleHooks`` whose replacement also runs a round's later decode steps from the step
+    it drew last (API 1.21's ``advance_sample``), building their inputs itself as a backend
+    does on its device; it declines every ``decline``-th call (0: never)."""
+
+    def __init__(self, every: int = 1, decline: int = 0) -> None:
+        super().__init__(True, every)
+        self.decline, self.advanced, self.declined = decline, 0, 0
+
+    def wrap_forward(self, forward, limits):
+        from fd_core.engine.model_runner import ragged_inputs
+
+        replacement = super().wrap_forward(forward, limits)
+        hooks, drew, last = self, replacement.with_sample, {}
+
+        def with_sample(ids, positions, kv_caches, meta, batch):
+            got = drew(ids, positions, kv_caches, meta, batch)
+            last.clear()
+            if got[2] is not None:
+                last.update(kv_caches=kv_caches, meta=meta, drawn=got[2])
+            return got
+
+        def advance_sample(batch):
+            assert last, "advance_sample after a step the replacement did not draw"
+            if hooks.decline and (hooks.advanced + hooks.declined + 1) % hooks.decline == 0:
+                hooks.declined += 1
+                last.clear()
+                return None
+            meta, n = last["meta"], last["meta"].num_seqs
+            step = ragged_inputs(np.zeros(n, dtype=np.int64), meta.block_tables, meta.context_lens + 1,
+                                 np.ones(n, dtype=np.int64), meta.block_size)
+            ids = torch.as_tensor(last["drawn"].result().token_ids, dtype=torch.int64)
+            hidden, logits = replacement.with_head(ids, torch.as_tensor(step.positions), last["kv_caches"], step.meta)
+            drawn = replacement.sample(logits, batch)
+            last.update(meta=step.meta, drawn=drawn)
+            hooks.advanced += 1
+            return drawn
+
+        replacement.with_sample, replacement.advance_sample = with_sample, advance_sample
+        return replacement
+
+
+@pytest.mark.parametrize("every, decline", [(1, 0), (1, 3), (2, 0)], ids=["advances", "declines", "after_draws"])
+def test_a_forward_replacement_may_run_a_round_s_later_steps(tmp_path, checkpoints, monkeypatch, every, decline):
+    """With --num-scheduler-steps the runner hands a round's later decode steps to a replacement
+    that advances its last draw (API 1.21) and builds and launches a step itself where the
+    replacement declines, or where the step before was not the replacement's draw (it handed
+    the logits back): greedy and seeded tokens as without rounds."""
+    from fd_core import SamplingParams
+    from tests.plugins.host_fed import async_cpu_registry
+
+    async_cpu_registry(monkeypatch, "torch")
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 4
+    want, _ = generate(model_dir, params, runtime="torch", async_scheduling=False)
+    hooks = _AdvanceHooks(every, decline)
+    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
+    got, llm = generate(model_dir, params, runtime="torch", num_scheduler_steps=4)
+    assert got == want
+    assert llm.engine.core.stats["rounds"] > 0
+    assert hooks.advanced > 0
+    assert (hooks.declined > 0) == (decline > 0)
+    assert (hooks.handed_back > 0) == (every > 1)

@@ -50,6 +50,7 @@ from fd_core.errors import (
     PromptTooLongError,
     check_text,
 )
+from fd_core.heap import thaw_heap
 from fd_core.interfaces import Platform, SampleOutput
 from fd_core.interfaces.ops import pack_token_bitmask
 from fd_core.models import TensorParallel, moe_spec
@@ -854,10 +855,12 @@ class EngineCore:
                 self.seqs.pop(seq.request_id, None)
 
     def shutdown(self) -> None:
-        """Stop the grammar thread and the tensor-parallel workers, if any (idempotent)."""
+        """Stop the grammar thread and the tensor-parallel workers, if any, and give the frozen
+        start-up heap back to the collector (idempotent)."""
         if self._masks is not None:
             self._masks.close()
         self.executor.close()
+        thaw_heap()
 
     def kv_usage(self) -> float:
         return self.pool.usage()

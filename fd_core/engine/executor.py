@@ -358,9 +358,15 @@ class Executor:
         launched = [self._launch(inputs, sampled, batch, feed, fill, rows, scored)]
         every = np.arange(len(sampled), dtype=np.int64)  # a round's rows: one per sequence, in order
         for j in range(1, steps):
+            step_batch = later_batch(batch, j)
+            # the forward's replacement may advance its last step on the device: no inputs to build
+            pending = self.runner.advance(step_batch) if self.runner is not None else None
+            if pending is not None:
+                launched.append(Launched(sampled, pending, rows, [], None))
+                continue
             feed = Feed(launched[-1].pending, every, every)
-            launched.append(self._launch(later_inputs(inputs, j, self.block_size), sampled, later_batch(batch, j),
-                                         feed, None, rows, []))
+            launched.append(self._launch(later_inputs(inputs, j, self.block_size), sampled, step_batch, feed, None,
+                                         rows, []))
         return launched
 
     def _launch(self, inputs: StepInputs, sampled: list[Sequence], batch: SamplingBatch | None, feed: Feed | None,

@@ -268,6 +268,8 @@ class ModelRunner:
         self.forward = model.forward
         self._with_head = False  # self.forward.with_head runs a decode step's forward and head
         self._with_sample = False  # self.forward.with_sample samples it too (API 1.20)
+        self._advances = False  # self.forward.advance_sample runs the decode step after a draw (API 1.21)
+        self._drew = False  # the last launch's forward drew its tokens (with_sample, advance_sample)
         self.score_rows = limits.max_num_seqs if limits is not None else 256  # see _score_prompts
         wrap = getattr(hooks, "wrap_forward", None) if hooks is not None else None
         # a draft model's forward has the target's signature, so the hook may replace it too
@@ -289,6 +291,7 @@ class ModelRunner:
                 attach_sampler = getattr(self.forward, "attach_sampler", None)
                 if attach_sampler is not None and ops.has("sample_async"):
                     self._with_sample = bool(attach_sampler(ops.sample_async))
+                    self._advances = self._with_sample and callable(getattr(self.forward, "advance_sample", None))
 
     def _allocate(self, allocate: Any, num_blocks: int, dtype: str, model: Any = None) -> list[tuple[Any, Any]]:
         m = model or self.model  # its own heads: a tensor-parallel rank holds a slice
@@ -415,6 +418,7 @@ class ModelRunner:
         logit rows, then the prompt rows and the tokens they score, then the feed's), the
         logits where the forward's replacement computed them with it (else None), and its
         draw of ``batch``'s rows (a PendingSample) where it sampled them too (else None)."""
+        self._drew = False
         n, rows, scored = len(inputs.input_ids), len(inputs.logit_rows), len(inputs.prompt_rows)
         parts = [inputs.input_ids, inputs.positions, inputs.logit_rows]
         if scored:
@@ -431,6 +435,7 @@ class ModelRunner:
             if self._with_sample and batch is not None:
                 got = self.forward.with_sample(ids, packed[n : 2 * n], self.kv_caches, inputs.meta, batch)
                 if got is not None:
+                    self._drew = got[2] is not None
                     return got[0], packed, got[1], got[2]
             both = self.forward.with_head(ids, packed[n : 2 * n], self.kv_caches, inputs.meta)
             if both is not None:
@@ -495,6 +500,18 @@ class ModelRunner:
         tensor-parallel rank samples (the gathered logits and the batch are the same on each,
         so are the tokens): the next step's input ids come from its own device's sample."""
         return self._step(inputs, batch, feed, before_sample, self.ops.sample_async, lead)
+
+    def advance(self, batch: SamplingBatch) -> PendingSample | None:
+        """The decode step that follows the last ``launch``, queued by the forward's replacement
+        alone where it can (API 1.21, ``advance_sample``): the same sequences, each one position
+        further, its input the token the last step drew, sampled with ``batch`` (the last step's,
+        each row's step index one further). None where it cannot, or where the last launch's
+        forward did not draw its tokens: the caller builds the step and ``launch``es it."""
+        if not (self._advances and self._drew):
+            return None
+        drawn = self.forward.advance_sample(batch)
+        self._drew = drawn is not None
+        return drawn
 
     def can_launch(self) -> bool:
         """Whether this rank's op table has ``sample_async`` (``launch``)."""

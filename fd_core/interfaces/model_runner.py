@@ -68,5 +68,13 @@ class ModelRunnerHooks(Protocol):
         and for a decode step whose batch the runner completes before the forward (no grammar
         bitmask filled later) calls ``with_sample`` for ``(hidden, logits, pending)``: the
         step's draw as ``sample_async`` would make it, or None as ``pending`` where the runner is
-        to sample the logits itself; None for the whole where it does not take the step."""
+        to sample the logits itself; None for the whole where it does not take the step.
+
+        A replacement that draws may also have ``advance_sample(batch)`` (API 1.21): right after
+        a call whose draw it returned (``with_sample``'s or this one's), the runner may ask it
+        for the next decode step of the same sequences, each one position further and fed the
+        token just drawn for it, sampled with ``batch`` (the last step's, each row's step index
+        one further): the step's draw, as ``pending``, or None where it will not run it (the
+        runner builds and launches the step). The engine does so for the later steps of a round
+        (``--num-scheduler-steps``), whose blocks it reserved before the round's first step."""
         ...

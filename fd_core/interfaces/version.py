@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.20.0"
+API_VERSION = "1.21.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -60,6 +60,10 @@ API_VERSION = "1.20.0"
 #      forward, head and draw of its tokens in one call (a graph holding the sampling kernel
 #      too), with the op table's sample_async attached so that a replacement draws only with
 #      the sampler the runner chose
+# 1.21: a drawing replacement's optional advance_sample(batch): the decode step after the one it
+#      drew last (a round of --num-scheduler-steps), its inputs made where that draw is (the
+#      same sequences one position further, each fed its drawn token), so the host builds and
+#      uploads nothing for a round's later steps
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -149,6 +149,7 @@ def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
             print(f"---- cProfile of the {steps} decode steps' Python (by own time; {wall / steps:.0f} µs a step "
                   "with cProfile's overhead)")
             pstats.Stats(python).sort_stats("tottime").print_stats(30)
+            pstats.Stats(python).sort_stats("cumulative").print_stats(45)  # which calls hold the time
             continue
         spans = kernel_spans(prof.events())
         busy, kernels = busy_us(spans)

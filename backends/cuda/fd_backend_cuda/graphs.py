@@ -57,6 +57,7 @@ from fd_core.runtimes.torch.ops import upload
 
 from fd_backend_cuda.kernels import sampling
 from fd_backend_cuda.kernels._common import sm_count
+from fd_backend_cuda.kernels.advance import advance
 from fd_backend_cuda.kernels.attention import SPLIT_MASK_KEYS, MixedPlan, static_step_tensors
 
 MIXED_GRAPH_TOKENS = 8192  # the largest mixed bucket by default (FD_CUDA_MIXED_GRAPH_TOKENS)
@@ -226,6 +227,14 @@ class _Graph:
         # the next step's feed reads these rows on the device before its replay writes them again
         return hidden, logits, sampling.DeviceSample(self.drawn[: meta.num_seqs], 0)
 
+    def advance_sample(self, num_seqs: int) -> sampling.DeviceSample:
+        """The step after the last ``replay_sample`` or ``advance_sample`` of ``num_seqs``
+        sequences, its inputs made on the device (``kernels/advance.py``): nothing is uploaded."""
+        advance(self.ids, self.positions, self.packed_device, self.tensors.block_tables, self.params, self.drawn,
+                num_seqs, self.meta.block_size, sampling.PARAM_STEP)
+        self.graph.replay()
+        return sampling.DeviceSample(self.drawn[:num_seqs], 0)
+
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.replay_head(ids, positions, meta)[0]
 
@@ -294,6 +303,9 @@ class GraphedForward:
         self.head: Callable[..., Any] | None = None
         self.sampler = False  # the decode graphs draw too (attach_sampler)
         self.draws = 0  # decode steps whose tokens a graph drew
+        self.advances = 0  # of those, steps whose inputs the last one's graph made (advance_sample)
+        # the graph that drew the last step, and its sequences, while nothing else has run since
+        self._drew: tuple[_Graph, int] | None = None
         self._draw_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool = None
         self.kv_caches: list | None = None
@@ -306,6 +318,7 @@ class GraphedForward:
         of a batch-1 step's host time, H200 host). Before ``warm_up``."""
         self.head = head
         self.graphs.clear()
+        self._drew = None
 
     def attach_sampler(self, sample: Callable[..., Any]) -> bool:
         """Draw in each decode graph, after the head, where ``sample`` (the runner's chosen
@@ -315,6 +328,7 @@ class GraphedForward:
 
         self.sampler = self.head is not None and sample is ops.sample_async
         self.graphs.clear()
+        self._drew = None
         return self.sampler
 
     def mixed_bucket(self, num_tokens: int) -> int | None:
@@ -381,6 +395,7 @@ class GraphedForward:
     def _stale(self, kv_caches: list) -> None:
         if kv_caches is not self.kv_caches:  # a new KV cache: graphs captured on the old are stale
             self.graphs.clear()
+            self._drew = None
             self.mixed_graphs.clear()
             self.kv_caches = kv_caches
         if self.pool is None:
@@ -438,6 +453,7 @@ class GraphedForward:
                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A decode step's hidden states and the attached head's logits of every row, from one
         replay; None where the step is not a decode a graph holds (the caller runs the head)."""
+        self._drew = None
         graph = self._decode_graph(ids, kv_caches, meta)
         return None if graph is None else self._replay_head(graph, ids, positions, meta)
 
@@ -451,16 +467,34 @@ class GraphedForward:
         """``with_head``'s hidden states and logits, and the graph's draw of the batch's rows
         where the kernel samples them alone (else None: the runner samples the logits); None
         where the step is not a decode a graph holds."""
+        self._drew = None
         graph = self._decode_graph(ids, kv_caches, meta)
         if graph is None:
             return None
         if graph.params is None or not sampling.is_plain(batch):
             return (*self._replay_head(graph, ids, positions, meta), None)
         self.draws += 1
-        return graph.replay_sample(ids, positions, meta, batch)
+        drawn = graph.replay_sample(ids, positions, meta, batch)
+        self._drew = (graph, meta.num_seqs)
+        return drawn
+
+    def advance_sample(self, batch: Any) -> sampling.DeviceSample | None:
+        """The decode step after the last one, which a graph drew (``with_sample`` or this):
+        the same sequences one position further, each fed the token drawn for it, ``batch``
+        the last step's with each row's step one further (API 1.21). The graph's own buffers
+        are moved on by one kernel; nothing is uploaded. None where the last call was not such
+        a draw."""
+        if self._drew is None:
+            return None
+        graph, num_seqs = self._drew
+        self.replays += 1
+        self.draws += 1
+        self.advances += 1
+        return graph.advance_sample(num_seqs)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
+        self._drew = None
         q = self._shape(ids.shape[0], meta) if ids.device.type == "cuda" else None
         size = None if q is None else self.bucket(meta.num_seqs, q)
         if size is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fd_core.plugins import hookimpl
 
-FD_API_VERSION = "1.20"  # attach_sampler / with_sample: the draw in decode graphs (1.20); rotary_attention (1.19); attach_head / with_head: the LM head in decode graphs (1.18); the cuda_ipc device KV connector (1.16, hook of 1.14); graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
+FD_API_VERSION = "1.21"  # advance_sample: a round's later steps made on the device (1.21); attach_sampler / with_sample: the draw in decode graphs (1.20); rotary_attention (1.19); attach_head / with_head: the LM head in decode graphs (1.18); the cuda_ipc device KV connector (1.16, hook of 1.14); graphs of verification steps (1.13); deferred_bitmask (1.12); its sampler adds logit biases (1.11) and applies grammar bitmasks (1.10), pack_experts (1.8), moe's expert_offset (1.7), quantized KV caches (1.6); pack_linear and per-method linear (1.5); sample_async (1.3); 1.2's noise
 
 
 @hookimpl

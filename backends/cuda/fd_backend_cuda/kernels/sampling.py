@@ -512,6 +512,9 @@ def _sample_kernel(
     tl.store(out + 3, (raw_max + log_total).to(tl.int32, bitcast=True).to(tl.int64))
 
 
+PARAM_STEP = 5  # pack_params' column of each row's step index
+
+
 def pack_params(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
                 seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """The kernel's per-row parameters, int64 ``[S, 6]``: the float32 bit patterns of temperature,
