@@ -44,7 +44,16 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256, help="decode steps a run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
+                    help="rounds of K decode steps (asynchronous scheduling with the tests' host-fed sample_async)")
     args = ap.parse_args()
+    rounds = {}
+    if args.num_scheduler_steps > 1:  # rounds need a sample_async; the CPU backend's tests have one
+        import pytest
+        from tests.plugins.host_fed import async_cpu_registry
+
+        async_cpu_registry(pytest.MonkeyPatch(), "torch")
+        rounds = {"num_scheduler_steps": args.num_scheduler_steps}
     timer = PhaseTimer()
     for label, (owner, name) in PHASES.items():
         timer.wrap(owner, name, label)
@@ -57,7 +66,7 @@ def main() -> None:
                   num_kv_blocks=args.seqs * ((args.tokens + 64) // 8 + 2),
                   # the GPU backends' budget policy: no long-prefill cap, so schedule() hands no
                   # leftover budget back (the CPU backend's default of 24 made it do so every step)
-                  long_prefill_token_threshold=0)
+                  long_prefill_token_threshold=0, **rounds)
         prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(16)]} for i in range(args.seqs)]
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         runs: dict[str, list[float]] = collections.defaultdict(list)
@@ -73,7 +82,7 @@ def main() -> None:
                 runs[label].append(timer.spent[label] / args.tokens * 1e6)  # ~one step a token
             runs["whole step (forward included)"].append(wall / args.tokens * 1e6)
     print(f"{args.seqs} sequences decoding (16-token prompts, one step), {args.tokens} tokens each, "
-          f"median of {args.repeats} runs, per decode step:")
+          f"--num-scheduler-steps {args.num_scheduler_steps}, median of {args.repeats} runs, per decode step:")
     for label, values in runs.items():
         print(f"  {label:32s} {statistics.median(values):8.1f} µs a step")
 

@@ -61,7 +61,7 @@ def received(client) -> list:
 
 
 def output(request_id, token, finish=None) -> WireOutput:
-    return WireOutput(request_id, 0, token, -0.1, 1, [], finish, None)
+    return WireOutput(request_id, 0, [token], [-0.1], [1], [], finish, None)
 
 
 def wait_for(condition, seconds: float) -> bool:
@@ -86,8 +86,8 @@ def test_requests_are_pulled_while_there_is_room_and_outputs_reach_their_submitt
     core.finish("r0")
     inbox.publish(core, [output("r0", 9, "length")])
     (first, second) = received(client)
-    assert isinstance(first, StepOutputs) and [o.token_id for o in first.outputs] == [7, 8]
-    assert [(o.token_id, o.finish_reason) for o in second.outputs] == [(9, "length")]
+    assert isinstance(first, StepOutputs) and [o.token_ids for o in first.outputs] == [[7], [8]]
+    assert [(o.token_ids, o.finish_reason) for o in second.outputs] == [([9], "length")]
     assert client.client.hget("fd:t:req", "r0") is None  # finished: forgotten in Redis
     assert inbox.served == 1
     assert inbox.poll(core) == 1 and "r2" in core.seqs  # r0's room
@@ -148,7 +148,7 @@ def test_redis_going_away_does_not_stop_the_engine(redis_server):
     time.sleep(inbox.heartbeat_s)
     inbox.poll(core)
     (batch,) = received(client)
-    assert [o.token_id for o in batch.outputs] == [5]
+    assert [o.token_ids for o in batch.outputs] == [[5]]
 
 
 def test_a_step_longer_than_the_ttl_keeps_the_instance_live_and_a_hung_loop_does_not(redis_server, monkeypatch):

@@ -43,7 +43,7 @@ def disaggregated(prefill, decode, prompts, params, on_device=False):
     handed = 0
     while prefill.has_unfinished_requests():
         for out in prefill.step():
-            tokens.setdefault(out.request_id, []).append(out.token_id)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
             assert out.finish_reason is None  # no request ends on the prefill side here
         for seq in prefill.prefilled():
             kv = prefill.export_kv(seq, on_device)
@@ -55,7 +55,7 @@ def disaggregated(prefill, decode, prompts, params, on_device=False):
     assert prefill.pool.num_free == prefill.pool.capacity  # every block of a handed-over request is back
     while decode.has_unfinished_requests():
         for out in decode.step():
-            tokens[out.request_id].append(out.token_id)
+            tokens[out.request_id].extend(out.token_ids)
     assert decode.pool.num_free == decode.pool.capacity
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
@@ -66,7 +66,7 @@ def alone(core, prompts, params):
     tokens = {}
     while core.has_unfinished_requests():
         for out in core.step():
-            tokens.setdefault(out.request_id, []).append(out.token_id)
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -310,7 +310,7 @@ def test_a_prefill_and_a_decode_instance_through_redis(model_dir, redis_server, 
             for msg in _results(client):
                 assert isinstance(msg, StepOutputs), msg
                 for o in msg.outputs:
-                    tokens.setdefault(o.request_id, []).append(o.token_id)
+                    tokens.setdefault(o.request_id, []).extend(o.token_ids)
                     if o.finish_reason:
                         done.add(o.request_id)
             return len(done) == len(prompts)

@@ -222,7 +222,7 @@ def test_aborts_between_steps_end_requests_at_once(model_dir):
         tokens: dict[tuple[str, int], list[int]] = {}
         while core.has_unfinished_requests():
             for o in core.step():
-                tokens.setdefault((o.request_id, o.index), []).append(o.token_id)
+                tokens.setdefault((o.request_id, o.index), []).extend(o.token_ids)
         return tokens
 
     _, core = engine()

@@ -73,18 +73,31 @@ class PromptLogprobs:
     top: list[list[tuple[int, float]]]
 
 
+_NONE = ()  # a CoreOutput's ranks and top where the request asks no logprobs
+
+
+def _columns(o: SampleOutput) -> tuple[list, list, list, list, list]:
+    """A step's sample as Python lists: token ids, logprobs, ranks, top ids, top logprobs."""
+    tops = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
+    return o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist(), *tops
+
+
 @dataclass
 class CoreOutput:
-    """What one step produced for one sequence: its new token (and its log-probabilities), and
-    whether the core ended the sequence (EOS, a stop token id, max_tokens, max_model_len).
-    A request's first sequence brings the prompt's logprobs with its first token, when asked."""
+    """What one step, or a round of steps (``--num-scheduler-steps``), produced for one
+    sequence: its new tokens in order (and their log-probabilities), and whether the core ended
+    the sequence after the last (EOS, a stop token id, max_tokens, max_model_len). A request's
+    first sequence brings the prompt's logprobs with its first token, when asked. One object a
+    sequence and round, not a token: at 128 sequences the per-token objects were a third of
+    the host's work a step (docs/PERFORMANCE.md)."""
 
     request_id: str
     index: int
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]] = field(default_factory=list)  # when logprobs were asked for
+    token_ids: list[int]
+    logprobs: list[float]
+    # per token where logprobs were asked for (ranks: logprobs=0 too; top: its best k), else empty
+    ranks: list[int] | tuple = ()
+    top: list[list[tuple[int, float]]] | tuple = ()
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (the same every step)
@@ -720,10 +733,9 @@ class EngineCore:
             return []
         output = pending.result()
         ended = flight.advance.wait() if flight.advance is not None else None
-        outputs = self._apply(flight.launched.sampled, output, flight.slots, ended)
-        for launched, slots in flight.later:
-            outputs += self._apply(launched.sampled, launched.pending.result(), slots)
-        return outputs
+        # a round's later steps sample the same rows (the executor's one list)
+        later = [(launched.pending.result(), slots) for launched, slots in flight.later]
+        return self._apply(flight.launched.sampled, output, flight.slots, ended, later)
 
     def _account_step(self, out: SchedulerOutput) -> None:
         """Count the step's prompt tokens, note when a sequence is first scheduled (a sequence
@@ -785,18 +797,22 @@ class EngineCore:
         self.executor.copy_blocks(copies)
 
     def _apply(self, sampled: list[Sequence], o: SampleOutput | None, slots: list[int] | None = None,
-               ended: list[str | None] | None = None) -> list[CoreOutput]:
+               ended: list[str | None] | None = None,
+               later: list[tuple[SampleOutput, list[int]]] = ()) -> list[CoreOutput]:
         """Record each row's token. ``slots``: where each row's placeholder sits in its
         sequence's output (asynchronous scheduling); None: append. ``ended``: per row, why its
         grammar ends its sequence, where the grammar thread advanced the grammars (None: they
-        are advanced here)."""
+        are advanced here). ``later``: a round's later steps over the same rows, each with its
+        slots (engine/rounds.py: no grammar, no first token): a row's tokens of the whole round
+        go out as one CoreOutput."""
         if o is None:
             return []
         outputs = []
         # Python scalars once per array, not one NumPy scalar per row
-        tokens, logprobs, ranks = o.token_ids.tolist(), o.logprobs.tolist(), o.ranks.tolist()
-        top_ids, top_logprobs = (o.top_ids.tolist(), o.top_logprobs.tolist()) if o.top_ids.size else ((), ())
+        tokens, logprobs, ranks, top_ids, top_logprobs = _columns(o)
+        rounds = [(*_columns(step), at) for step, at in later]
         eos, max_model_len = self.eos_token_ids, self.max_model_len
+        later_tokens = 0
         for row, seq in enumerate(sampled):
             token = tokens[row]
             if slots is None:
@@ -808,9 +824,13 @@ class EngineCore:
                 seq.output_token_ids[slots[row]] = token
                 count = slots[row] + 1
             p = seq.params
+            wants = p.logprobs is not None
             k = p.logprobs or 0
-            top = list(zip(top_ids[row][:k], top_logprobs[row][:k])) if k else []
-            output = CoreOutput(seq.request_id, seq.index, token, logprobs[row], ranks[row], top,
+            # ranks and top candidates only where asked: two objects fewer a row, which the
+            # collector's young generation counts (docs/PERFORMANCE.md)
+            output = CoreOutput(seq.request_id, seq.index, [token], [logprobs[row]],
+                                [ranks[row]] if wants else _NONE,
+                                [list(zip(top_ids[row][:k], top_logprobs[row][:k]))] if k else _NONE,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
             if count == 1:
                 if seq.scheduled_at is not None:
@@ -829,7 +849,26 @@ class EngineCore:
                 self.scheduler.running.remove(seq)
                 self._prefilled.append(seq)
             outputs.append(output)
-        self.stats["generation_tokens"] += len(outputs)
+            if not rounds:
+                continue
+            for step_tokens, step_logprobs, step_ranks, step_top_ids, step_top_logprobs, at in rounds:
+                if seq.status is Status.FINISHED:  # on an earlier token of the round
+                    break
+                later_tokens += 1
+                token = step_tokens[row]
+                seq.output_token_ids[at[row]] = token
+                count = at[row] + 1
+                output.token_ids.append(token)
+                output.logprobs.append(step_logprobs[row])
+                if wants:
+                    output.ranks.append(step_ranks[row])
+                if k:
+                    output.top.append(list(zip(step_top_ids[row][:k], step_top_logprobs[row][:k])))
+                # as the first token's test: a round has no grammar (round_steps)
+                if (token in eos or p.stop_token_ids or count >= seq.max_tokens
+                        or len(seq.prompt_token_ids) + count >= max_model_len):
+                    self._check_finish(seq, token, output, count)
+        self.stats["generation_tokens"] += len(outputs) + later_tokens
         return outputs
 
     def _check_finish(self, seq: Sequence, token: int, output: CoreOutput, count: int,

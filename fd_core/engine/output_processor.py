@@ -97,25 +97,34 @@ class OutputProcessor:
             if now is not None:
                 self._time(request, out, co, now, gaps)
             state = out.state
-            state.output_token_ids.append(co.token_id)
-            out.cumulative_logprob += co.logprob
-            if request.params.logprobs is not None:
-                out.logprobs.append(self._logprobs(co))
-            if final_only and not request.params.stop_strings:
-                # nobody reads the text before the end: decode it once then
+            params = request.params
+            if not params.stop_strings:  # the tokens at once: no text can end the output among them
+                state.output_token_ids.extend(co.token_ids)
+                out.cumulative_logprob += sum(co.logprobs)
+                if params.logprobs is not None:
+                    out.logprobs.extend(self._logprobs(co, i) for i in range(len(co.token_ids)))
                 if co.finish_reason is not None:
-                    detokenizer.catch_up(self.tokenizer, state)
                     out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
-                    touched[co.request_id] = request
+                elif final_only:
+                    continue  # nobody reads the text before the end: decode it once then
+                detokenizer.catch_up(self.tokenizer, state)
+                touched[co.request_id] = request
                 continue
-            new_text = detokenizer.catch_up(self.tokenizer, state)
-            if co.finish_reason is not None:
-                out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
-            elif len(state.output_token_ids) >= request.params.min_tokens:
-                stop = detokenizer.find_stop(state, len(new_text))
-                if stop is not None:
-                    out.finish_reason, out.stop_reason = "stop", stop
-                    to_abort.append((co.request_id, co.index))
+            last = len(co.token_ids) - 1
+            for i, token in enumerate(co.token_ids):  # a stop string may end the text at any of them
+                state.output_token_ids.append(token)
+                out.cumulative_logprob += co.logprobs[i]
+                if params.logprobs is not None:
+                    out.logprobs.append(self._logprobs(co, i))
+                new_text = detokenizer.catch_up(self.tokenizer, state)
+                if i == last and co.finish_reason is not None:
+                    out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
+                elif len(state.output_token_ids) >= params.min_tokens:
+                    stop = detokenizer.find_stop(state, len(new_text))
+                    if stop is not None:
+                        out.finish_reason, out.stop_reason = "stop", stop
+                        to_abort.append((co.request_id, co.index))
+                        break
             touched[co.request_id] = request
         results = []
         for rid, request in touched.items():
@@ -136,10 +145,13 @@ class OutputProcessor:
             m.time_in_queue, m.prefill_time = co.time_in_queue, co.prefill_time
         if out.last_token_time is not None:
             gaps.setdefault(co.request_id, []).append(now - out.last_token_time)
+        if len(co.token_ids) > 1:  # a round's tokens arrive together: no gap between them
+            gaps.setdefault(co.request_id, []).extend([0.0] * (len(co.token_ids) - 1))
         out.last_token_time = now
 
-    def _logprobs(self, co: CoreOutput) -> dict[int, Logprob]:
-        return self._entry(co.token_id, co.logprob, co.rank, co.top)
+    def _logprobs(self, co: CoreOutput, i: int) -> dict[int, Logprob]:
+        """The ``i``-th token's entry."""
+        return self._entry(co.token_ids[i], co.logprobs[i], co.ranks[i], co.top[i] if co.top else [])
 
     def _entry(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
         """A token's Logprob and those of the best ``top`` of its position, decoded."""

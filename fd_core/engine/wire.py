@@ -76,10 +76,10 @@ class WireOutput(msgspec.Struct, array_like=True):
 
     request_id: str
     index: int
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
     finish_reason: str | None
     stop_reason: int | None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied to this sequence

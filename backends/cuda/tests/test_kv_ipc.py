@@ -140,7 +140,7 @@ def test_a_prefill_and_a_decode_engine_through_the_connector(llama):
             time.sleep(0.005)
         while core.has_unfinished_requests():
             for out in core.step():
-                tokens.setdefault(out.request_id, []).append(out.token_id)
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
         print("TOKENS", core.stats["prompt_tokens_computed"], json.dumps(tokens), flush=True)
         t.close()
     """)
