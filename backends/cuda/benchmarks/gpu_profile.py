@@ -12,7 +12,10 @@ The host's operations in a profiled run are CUPTI's view: ``cudaGraphLaunch`` th
 a node of the graph, against 3-6 µs for the whole launch unprofiled (``launch_cost.py``).
 
 ``batch1``: one 128-token prompt decoding 128 tokens as ``e2e.py`` times it (CUDA graphs,
-asynchronous scheduling); ``--batch N``: N such prompts decoding together. Host and GPU are both
+asynchronous scheduling); ``--batch N``: N such prompts decoding together. Unprofiled, CUDA
+events around every graph replay give the GPU's own time inside the step graphs and between
+them: the idle a decode step, apart from what the loop does after its last step (decoding the
+text of every sequence, which its wall time a step includes). Host and GPU are both
 recorded; it prints, per decode step, the wall time, the time the GPU was busy (the union of its
 kernels' intervals), the kernels launched, the host's operations by their own time, and a
 cProfile of the steps' Python, so a step's idle GPU time is split between what the host did and
@@ -35,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
@@ -77,6 +81,38 @@ def print_exclusive(spans: list[tuple[str, float, float]], steps: int) -> None:
           "programmatic launch is the kernel ahead's time), µs a step / launches a step / µs a launch")
     for name, (t, n) in table[:20]:
         print(f"  {t / steps:9.1f} {n / steps:7.1f} {t / n:8.2f}  {name[:90]}")
+
+
+@contextlib.contextmanager
+def replay_marks():
+    """Every CUDA graph replay in the block, bracketed by CUDA events (unprofiled: events cost
+    the GPU nothing measurable): yields a list that fills with ``(before, after, host time of
+    the call)``."""
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def marked(graph: torch.cuda.CUDAGraph) -> None:
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        replay(graph)
+        after.record()
+        marks.append((before, after, time.perf_counter()))
+
+    torch.cuda.CUDAGraph.replay = marked
+    try:
+        yield marks
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
+def between_steps(inside_us: list[float], between_us: list[float]) -> str:
+    """A line on a run of graph replays: the GPU's time inside each graph, between one graph's
+    end and the next one's start (the draw's copy, the feed or advance, the launch, and any wait
+    for the host), and that waiting's share of the steps."""
+    inside, between = np.asarray(inside_us), np.asarray(between_us)
+    idle = between.sum() / (inside.sum() + between.sum())
+    return (f"GPU in a graph p50 {np.median(inside):.0f} µs, between graphs p50 {np.median(between):.0f} / mean "
+            f"{between.mean():.0f} / p90 {np.percentile(between, 90):.0f} µs: idle {idle:.0%} of the decode steps")
 
 
 def throughput(llm: LLM) -> None:
@@ -135,15 +171,24 @@ def batch1(llm: LLM, trace: Path | None, batch: int = 1) -> None:
         python = cProfile.Profile() if activities == "python" else None
         # (an empty activity list is not "no profiling": torch then records its defaults)
         with (profile(activities=activities) if isinstance(activities, list) else python
-              or contextlib.nullcontext()) as prof:
+              or replay_marks()) as prof:
             start = time.perf_counter()
             while engine.has_unfinished_requests():
                 engine.step(final_only=True)  # as LLM.generate: text decoded once, at the end
-            wall = (time.perf_counter() - start) * 1e6
+            end = time.perf_counter()
+            wall = (end - start) * 1e6
         steps = params.max_tokens - 1  # the decode steps: the prefill made each sequence's first token
         if activities is None:
+            torch.cuda.synchronize()
+            inside = [a.elapsed_time(b) * 1e3 for a, b, _ in prof]
+            between = [prof[i][1].elapsed_time(prof[i + 1][0]) * 1e3 for i in range(len(prof) - 1)]
             print(f"==== batch {batch}, unprofiled: {wall / steps:.1f} µs per decode step over {steps} steps "
                   f"({host_speed()})")
+            # the loop's wall also holds what follows the last step (the text decoded at the end),
+            # which is no decode step's idle time: the GPU's own view of the steps, from events
+            print(f"==== batch {batch}, between decode steps (CUDA events around {len(prof)} replays): "
+                  f"{between_steps(inside, between)}; after the last replay the loop ran "
+                  f"{(end - prof[-1][2]) * 1e3:.1f} ms more (decoding the text)")
             continue
         if python is not None:
             print(f"---- cProfile of the {steps} decode steps' Python (by own time; {wall / steps:.0f} µs a step "

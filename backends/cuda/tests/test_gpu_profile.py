@@ -33,3 +33,10 @@ def test_a_kernel_inside_another_adds_nothing():
     got = gp.exclusive_us([("long", 0.0, 10.0), ("short", 2.0, 3.0)])
     assert got == {"long": (10.0, 1), "short": (0.0, 1)}
     assert gp.busy_us([("long", 0.0, 10.0), ("short", 2.0, 3.0), ("late", 12.0, 13.0)]) == (11.0, 3)
+
+
+def test_between_steps_is_the_gpu_s_wait_over_the_steps():
+    gp = _module()
+    line = gp.between_steps([1000.0, 1000.0, 1000.0], [20.0, 40.0])
+    assert "in a graph p50 1000 µs" in line and "between graphs p50 30 / mean 30" in line
+    assert "idle 2% of the decode steps" in line  # 60 of 3060
