@@ -61,7 +61,7 @@ def received(client) -> list:
 
 
 def output(request_id, token, finish=None) -> WireOutput:
-    return WireOutput(request_id, 0, [token], [-0.1], [1], [], finish, None)
+    return WireOutput(request_id, 0, [token], -0.1, [], [], [], finish, None)
 
 
 def wait_for(condition, seconds: float) -> bool:

@@ -248,7 +248,7 @@ def test_wire_messages_carry_the_prefix_cache_fields():
     encode = msgspec.msgpack.encode
     assert decode(encode(AddRequest("r", [1, 2], {}, "salt"))).cache_salt == "salt"
     assert decode(encode(AddRequest("r", [1, 2], {}))).cache_salt is None
-    out = WireOutput("r", 0, [5], [-0.5], [1], [], None, None, 48)
+    out = WireOutput("r", 0, [5], -0.5, [], [], [], None, None, 48)
     assert msgspec.msgpack.decode(encode(out), type=WireOutput).num_cached_tokens == 48
     stats = Stats(prefix_cache_hit_tokens_total=7, prefix_cache_hit_rate=0.5, num_swapped=1)
     assert msgspec.msgpack.decode(encode(stats), type=Stats) == stats

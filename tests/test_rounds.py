@@ -72,6 +72,19 @@ def test_stops_mid_round_drop_the_rest(async_cpu, model_dir):
     assert all(PLACEHOLDER not in out[0][0] for out in result)
 
 
+def test_stop_strings_end_the_text_inside_a_round(async_cpu, model_dir):
+    """A stop string the text reaches at a round's middle token ends it there: the tokens, the
+    stop reason and the cumulative logprob are the synchronous engine's (the output processor
+    takes a request with stop strings token by token from a round's output)."""
+    llm = LLM(model=str(model_dir), max_model_len=128, block_size=4, num_kv_blocks=512, async_scheduling=False)
+    texts = [o.outputs[0].text for o in llm.generate(prompts(12), SamplingParams(temperature=0, max_tokens=20,
+                                                                                   ignore_eos=True), use_tqdm=False)]
+    stops = sorted({t[6:9] for t in texts if len(t) > 12})[:4]  # from inside some outputs
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stops)
+    result, _ = compare(model_dir, params, num_kv_blocks=512)
+    assert sum(out[0][1] == "stop" for out in result) >= 2
+
+
 def test_max_model_len_bounds_a_round(async_cpu, model_dir):
     """Sequences that run into max_model_len: no round step computes a position past it."""
     long = [list(range(3, 3 + n)) for n in (57, 59, 60, 62, 30)]

@@ -387,6 +387,23 @@ class _SampleHooks(_HeadHooks):
         return replacement
 
 
+def _with_hooks(tmp_path, checkpoints, monkeypatch, hooks, greedy_tokens: int, **engine_args):
+    """Greedy and seeded requests through the torch runtime with ``hooks`` as the CPU's runner
+    hooks and the tests' host-fed sample_async: (the tokens, those of the synchronous engine
+    without the hooks, the LLM)."""
+    from fd_core import SamplingParams
+    from tests.plugins.host_fed import async_cpu_registry
+
+    async_cpu_registry(monkeypatch, "torch")
+    model_dir = checkpoints.make_llama(tmp_path)
+    params = [SamplingParams(temperature=0, max_tokens=greedy_tokens, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 4
+    want, _ = generate(model_dir, params, runtime="torch", async_scheduling=False)
+    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
+    got, llm = generate(model_dir, params, runtime="torch", **engine_args)
+    return got, want, llm
+
+
 @pytest.mark.parametrize("draw, every", [(True, 1), (True, 2), (False, 1)], ids=["draws", "half", "declines"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_a_forward_replacement_may_draw_the_tokens_of_decode_steps(tmp_path, checkpoints, monkeypatch, draw, every,
@@ -394,17 +411,8 @@ def test_a_forward_replacement_may_draw_the_tokens_of_decode_steps(tmp_path, che
     """The runner attaches its sample_async to a replacement that can draw (API 1.20) and takes
     the draw of each decode step it hands over, greedy and seeded alike, or samples the logits
     itself where the replacement hands them back or declined the sampler."""
-    from fd_core import SamplingParams
-    from tests.plugins.host_fed import async_cpu_registry
-
-    async_cpu_registry(monkeypatch, "torch")
-    model_dir = checkpoints.make_llama(tmp_path)
-    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 4
-    want, _ = generate(model_dir, params, runtime="torch", async_scheduling=False)
     hooks = _SampleHooks(draw, every)
-    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
-    got, llm = generate(model_dir, params, runtime="torch", async_scheduling=async_scheduling)
+    got, want, llm = _with_hooks(tmp_path, checkpoints, monkeypatch, hooks, 8, async_scheduling=async_scheduling)
     assert got == want
     assert llm.engine.runner._with_sample == draw
     assert (hooks.sampled > 0) == draw and (hooks.handed_back > 0) == (every > 1)
@@ -458,17 +466,8 @@ def test_a_forward_replacement_may_run_a_round_s_later_steps(tmp_path, checkpoin
     that advances its last draw (API 1.21) and builds and launches a step itself where the
     replacement declines, or where the step before was not the replacement's draw (it handed
     the logits back): greedy and seeded tokens as without rounds."""
-    from fd_core import SamplingParams
-    from tests.plugins.host_fed import async_cpu_registry
-
-    async_cpu_registry(monkeypatch, "torch")
-    model_dir = checkpoints.make_llama(tmp_path)
-    params = [SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=9, ignore_eos=True)] * 4
-    want, _ = generate(model_dir, params, runtime="torch", async_scheduling=False)
     hooks = _AdvanceHooks(every, decline)
-    monkeypatch.setattr(CpuPlatform, "runner_hooks", lambda self: hooks)
-    got, llm = generate(model_dir, params, runtime="torch", num_scheduler_steps=4)
+    got, want, llm = _with_hooks(tmp_path, checkpoints, monkeypatch, hooks, 11, num_scheduler_steps=4)
     assert got == want
     assert llm.engine.core.stats["rounds"] > 0
     assert hooks.advanced > 0

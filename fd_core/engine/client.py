@@ -389,8 +389,8 @@ class AsyncEngineClient:
         for w in wire_outputs:
             stream = self._by_wire_id.get(w.request_id)
             if stream is not None:  # else it was aborted here while the core computed it
-                outputs.append(CoreOutput(stream.request_id, w.index, w.token_ids, w.logprobs, w.ranks,
-                                          w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens,
+                outputs.append(CoreOutput(stream.request_id, w.index, w.token_ids, w.logprob, w.logprobs,
+                                          w.ranks, w.top, w.finish_reason, w.stop_reason, w.num_cached_tokens,
                                           w.time_in_queue, w.prefill_time,
                                           None if w.prompt_logprobs is None else PromptLogprobs(*w.prompt_logprobs)))
         results, stopped = self._processor.process(outputs, now=received)

@@ -73,7 +73,7 @@ class PromptLogprobs:
     top: list[list[tuple[int, float]]]
 
 
-_NONE = ()  # a CoreOutput's ranks and top where the request asks no logprobs
+_NONE = ()  # a CoreOutput's per-token lists where nothing reads them
 
 
 def _columns(o: SampleOutput) -> tuple[list, list, list, list, list]:
@@ -94,8 +94,12 @@ class CoreOutput:
     request_id: str
     index: int
     token_ids: list[int]
-    logprobs: list[float]
-    # per token where logprobs were asked for (ranks: logprobs=0 too; top: its best k), else empty
+    logprob: float  # the new tokens' logprobs summed (what the cumulative logprob gains)
+    # Per token where logprobs were asked for (logprobs, ranks: logprobs=0 too; top: its best
+    # k), else empty; logprobs also where a stop string may end the text among the tokens. Only
+    # where needed: each list a row is an object the collector's young generation counts, which
+    # cost a step at 128 sequences ~30 us on the development machine (docs/PERFORMANCE.md)
+    logprobs: list[float] | tuple = ()
     ranks: list[int] | tuple = ()
     top: list[list[tuple[int, float]]] | tuple = ()
     finish_reason: str | None = None
@@ -825,11 +829,10 @@ class EngineCore:
                 count = slots[row] + 1
             p = seq.params
             wants = p.logprobs is not None
+            each = wants or bool(p.stop_strings)  # per-token logprobs (see CoreOutput)
             k = p.logprobs or 0
-            # ranks and top candidates only where asked: two objects fewer a row, which the
-            # collector's young generation counts (docs/PERFORMANCE.md)
-            output = CoreOutput(seq.request_id, seq.index, [token], [logprobs[row]],
-                                [ranks[row]] if wants else _NONE,
+            output = CoreOutput(seq.request_id, seq.index, [token], logprobs[row],
+                                [logprobs[row]] if each else _NONE, [ranks[row]] if wants else _NONE,
                                 [list(zip(top_ids[row][:k], top_logprobs[row][:k]))] if k else _NONE,
                                 num_cached_tokens=max(0, seq.num_cached_tokens))
             if count == 1:
@@ -859,7 +862,9 @@ class EngineCore:
                 seq.output_token_ids[at[row]] = token
                 count = at[row] + 1
                 output.token_ids.append(token)
-                output.logprobs.append(step_logprobs[row])
+                output.logprob += step_logprobs[row]
+                if each:
+                    output.logprobs.append(step_logprobs[row])
                 if wants:
                     output.ranks.append(step_ranks[row])
                 if k:

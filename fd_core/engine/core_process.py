@@ -165,7 +165,7 @@ def _stats(core, cluster: ClusterInbox | None = None) -> Stats:
 
 def _wire(o) -> WireOutput:
     p = o.prompt_logprobs
-    return WireOutput(o.request_id, o.index, o.token_ids, o.logprobs, o.ranks, o.top,
+    return WireOutput(o.request_id, o.index, o.token_ids, o.logprob, o.logprobs, o.ranks, o.top,
                       o.finish_reason, o.stop_reason, o.num_cached_tokens, o.time_in_queue, o.prefill_time,
                       None if p is None else (p.logprobs, p.ranks, p.top))
 

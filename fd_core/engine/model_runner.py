@@ -20,7 +20,7 @@ from fd_core.engine import bad_words
 from fd_core.engine.block_rows import BlockTableRows
 from fd_core.engine.sampling_params import SamplingParams
 from fd_core.engine.scheduler import ScheduledSeq
-from fd_core.engine.sequence import Sequence
+from fd_core.engine.sequence import PLACEHOLDER, Sequence
 from fd_core.quantization.kv_cache import cache_layout
 from fd_core.interfaces import (
     AttentionMetadata,
@@ -53,7 +53,6 @@ class StepResult:
     prompt: SampleOutput | None = None
 
 
-PLACEHOLDER = -1  # an output token the host has not read yet (asynchronous scheduling)
 
 
 @dataclass

@@ -100,7 +100,7 @@ class OutputProcessor:
             params = request.params
             if not params.stop_strings:  # the tokens at once: no text can end the output among them
                 state.output_token_ids.extend(co.token_ids)
-                out.cumulative_logprob += sum(co.logprobs)
+                out.cumulative_logprob += co.logprob
                 if params.logprobs is not None:
                     out.logprobs.extend(self._logprobs(co, i) for i in range(len(co.token_ids)))
                 if co.finish_reason is not None:

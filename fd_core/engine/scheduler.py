@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fd_core.engine.block_pool import BlockPool
-from fd_core.engine.sequence import Sequence, Status
+from fd_core.engine.sequence import PLACEHOLDER, Sequence, Status
 from fd_core.engine.swap import SwapSpace
 
 _by_arrival = operator.attrgetter("arrival")
@@ -413,7 +413,7 @@ class Scheduler:
         """Take ``seq`` out of scheduling (finished or aborted), releasing all it holds. Its
         output must hold only tokens read (no placeholder): blocks a round filled after its
         first step, left out of the prefix cache by ``advance``, join it now as far as computed."""
-        if seq.output_token_ids and seq.output_token_ids[-1] < 0:  # engine/model_runner.PLACEHOLDER
+        if seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:
             raise RuntimeError("a sequence finished with a token still in flight; this is a bug in fd")
         self._publish(seq, min(self._computed(seq), seq.num_tokens - 1))
         if seq in self.running:

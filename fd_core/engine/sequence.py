@@ -8,6 +8,8 @@ from typing import Any
 
 from fd_core.engine.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # an output token the host has not read yet (asynchronous scheduling)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

@@ -77,6 +77,7 @@ class WireOutput(msgspec.Struct, array_like=True):
     request_id: str
     index: int
     token_ids: list[int]
+    logprob: float
     logprobs: list[float]
     ranks: list[int]
     top: list[list[tuple[int, float]]]

@@ -162,6 +162,11 @@ class SamplingBatch:
             or np.any(self.repetition_penalty != 1)
         )
 
+    @property
+    def needs_suppression(self) -> bool:
+        """Whether some row has tokens to suppress (``suppress_token_ids``)."""
+        return any(len(t) for t in self.suppress_token_ids)
+
 
 def token_bitmask_words(vocab: int) -> int:
     """Words (int32) of one row of a token bitmask over ``vocab`` tokens."""

@@ -63,7 +63,8 @@ API_VERSION = "1.21.0"
 # 1.21: a drawing replacement's optional advance_sample(batch): the decode step after the one it
 #      drew last (a round of --num-scheduler-steps), its inputs made where that draw is (the
 #      same sequences one position further, each fed its drawn token), so the host builds and
-#      uploads nothing for a round's later steps
+#      uploads nothing for a round's later steps; SamplingBatch.needs_suppression, beside
+#      needs_penalties (whether a row suppresses tokens), which cuda's sampler reads
 
 
 def _parse(version: str) -> tuple[int, int, int]:

@@ -529,7 +529,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     x = _bias(raw, batch) if batch.logit_bias is not None else raw
     if batch.needs_penalties:
         x = apply_penalties(x, batch)
-    if any(len(t) for t in batch.suppress_token_ids):
+    if batch.needs_suppression:
         x = _suppress(x, batch)
     if batch.allowed_token_bitmask is not None:
         x = _disallow(x, batch)

@@ -602,7 +602,7 @@ def sample(logits: Tensor, batch: SamplingBatch) -> SampleOutput:
     x = bias(raw, batch) if batch.logit_bias is not None else raw
     if batch.needs_penalties:
         x = apply_penalties(x, batch)
-    if any(len(t) for t in batch.suppress_token_ids):
+    if batch.needs_suppression:
         x = suppress(x, batch)
     if batch.allowed_token_bitmask is not None:
         x = disallow(x, upload_bitmask(batch.allowed_token_bitmask, x.device))

@@ -550,7 +550,7 @@ def _kernel_reads_logits(batch: SamplingBatch, penalised: bool, suppress: bool) 
 def is_plain(batch: SamplingBatch) -> bool:
     """Whether the batch samples with the kernel alone: ``_kernel_reads_logits`` and no bitmask."""
     return batch.allowed_token_bitmask is None and _kernel_reads_logits(
-        batch, batch.needs_penalties, any(len(t) for t in batch.suppress_token_ids))
+        batch, batch.needs_penalties, batch.needs_suppression)
 
 
 def launch_draw(
@@ -663,7 +663,7 @@ def sample_async(
     reads the logits; token, raw logprob, rank), and the top logprobs with torch ops when asked;
     one device-to-host copy, not waited for."""
     check_float("sample: logits", logits)
-    suppress = any(len(t) for t in batch.suppress_token_ids)
+    suppress = batch.needs_suppression  # properties over the rows: once
     # The kernel reads float16/bfloat16 logits as they are (widening is exact): a decode step's
     # cast was a kernel and an allocation on the host's per-step path. The torch-side helpers
     # (bias, penalties, suppression, top logprobs) work on float32.
