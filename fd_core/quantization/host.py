@@ -7,6 +7,7 @@ from __future__ import annotations
 from math import gcd
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from fd_core.errors import CheckpointError
@@ -17,14 +18,7 @@ HostWeight = np.ndarray | QuantizedWeight
 
 def fp8_e4m3fn_values() -> np.ndarray:
     """The float32 value of each of the 256 float8 e4m3fn bit patterns (0x7F and 0xFF: NaN)."""
-    bits = np.arange(256)
-    sign = np.where(bits & 0x80, -1.0, 1.0)
-    exponent, mantissa = (bits >> 3) & 0xF, bits & 0x7
-    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-    subnormal = mantissa / 8 * 2.0**-6
-    values = sign * np.where(exponent == 0, subnormal, normal)
-    values[(bits & 0x7F) == 0x7F] = np.nan
-    return values.astype(np.float32)
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 
 
 def group_of(weight: QuantizedWeight) -> int:

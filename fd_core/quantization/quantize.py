@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from fd_core.errors import CheckpointError
@@ -23,6 +24,7 @@ log = logging.getLogger("fd.quantization")
 ALIASES = {"fp8": "block_wise_fp8"}  # vLLM's spelling
 DEFAULT_GROUP_SIZE = {"wint8": -1, "wint4": 128, "block_wise_fp8": FP8_BLOCK}
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+FP8_BAND = 1 << 20  # values fp8_blocks rounds at a time
 
 
 def method_name(name: str) -> str:
@@ -91,28 +93,31 @@ def fp8_blocks(x: np.ndarray, block_rows: int, block_cols: int) -> tuple[np.ndar
     x = np.asarray(x, dtype=np.float32)
     rows, cols = x.shape
     nr, nc = -(-rows // block_rows), -(-cols // block_cols)
-    padded = np.zeros((nr * block_rows, nc * block_cols), np.float32)
-    padded[:rows, :cols] = x
-    blocks = padded.reshape(nr, block_rows, nc, block_cols)
-    scales = (np.abs(blocks).max(axis=(1, 3)) / np.float32(FP8_MAX)).astype(np.float32)
-    scaled = blocks / _nonzero(scales)[:, None, :, None]
-    return e4m3_bits(scaled.reshape(padded.shape)[:rows, :cols]), scales
+    bits = np.empty((rows, cols), np.uint8)
+    scales = np.empty((nr, nc), np.float32)
+    # a band of whole block rows at a time, about a million values: its passes stay in the
+    # CPU's caches (the whole matrix at once took 3-6 s for 14336 x 4096, this 0.5 s)
+    band = block_rows * max(1, FP8_BAND // (block_rows * nc * block_cols))
+    padded = np.zeros((band, nc * block_cols), np.float32)
+    for top in range(0, rows, band):
+        h = min(band, rows - top)
+        hb = -(-h // block_rows)
+        chunk = padded[: hb * block_rows]
+        chunk[:h, :cols] = x[top : top + h]
+        chunk[h:] = 0
+        blocks = chunk.reshape(hb, block_rows, nc, block_cols)
+        s = np.maximum(blocks.max(axis=(1, 3)), -blocks.min(axis=(1, 3))) / np.float32(FP8_MAX)
+        scales[top // block_rows : top // block_rows + hb] = s
+        np.divide(blocks, _nonzero(s)[:, None, :, None], out=blocks)
+        bits[top : top + h] = e4m3_bits(chunk[:h, :cols])
+    return bits, scales
 
 
 def e4m3_bits(x: np.ndarray) -> np.ndarray:
     """The float8 e4m3fn bit patterns (uint8) nearest to ``x`` (ties to even), saturating at
-    +-448 — what ``torch.Tensor.to(torch.float8_e4m3fn)`` gives for finite inputs. NumPy has
-    no float8 type, so the rounding works on float32's bits: keep 3 of its 23 mantissa bits
-    for normal values, and round to multiples of 2**-9 below 2**-6 (the subnormals)."""
-    x = np.clip(np.asarray(x, dtype=np.float32), -FP8_MAX, FP8_MAX)
-    magnitude = np.abs(x)
-    bits = magnitude.view(np.uint32)
-    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & np.uint32(0xFFF00000)
-    exponent = (rounded >> 23).astype(np.int32) - 127 + 7
-    normal = (exponent << 3) | ((rounded >> 20) & 7).astype(np.int32)
-    subnormal = np.rint(magnitude * 512).astype(np.int32)  # 8 = 2**-6, the first normal, exactly
-    code = np.where(magnitude < 2.0**-6, subnormal, normal).astype(np.uint8)
-    return code | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    +-448: what ``torch.Tensor.to(torch.float8_e4m3fn)`` gives for finite inputs. ml_dtypes'
+    cast rounds (NumPy has no float8 type); the clip saturates, where the cast gives NaN."""
+    return np.clip(np.asarray(x, dtype=np.float32), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
 @dataclass

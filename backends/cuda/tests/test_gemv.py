@@ -123,3 +123,82 @@ def test_choose_config():
             assert c.dot == (m > 1 and (2 if m == 2 else 4) * n >= 16384)
             assert not choose_config(m, n, k, tensor_cores=False).dot
     assert choose_config(1, 64, 40).block_k == 64  # one masked step
+
+
+@pytest.mark.parametrize("method", ["wint8", "block_wise_fp8"])
+@pytest.mark.parametrize("n,k", [(200, 384), (37, 320), (130, 128), (3, 4096)])
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantized_linear_of_one_row_runs_the_8bit_kernels(method, n, k, m, dtype):
+    """wint8 (one scale a row) and block_wise_fp8 (128 x 128 blocks, partial at the edges) at
+    one row: the quantized ``linear`` takes these kernels (at two, the tiled kernel), and
+    matches the specification (which dequantizes the weight, then multiplies)."""
+    import numpy as np
+    from fd_core.quantization.host import upload_quantized
+    from fd_core.quantization.quantize import quantize
+    from fd_core.runtimes.torch.memory import TorchMemory
+
+    from fd_backend_cuda.kernels import gemv as gemv_module
+    from fd_backend_cuda.kernels.quantized_linear import linear, pack_linear
+
+    rng = np.random.default_rng(n + k + m)
+    w = (rng.standard_normal((n, k)) * k**-0.5).astype(np.float32)
+    qw = quantize(w, method, -1 if method == "wint8" else 128)
+    packed = pack_linear(upload_quantized(qw, TorchMemory(str(DEVICE))))
+    x2 = rand((m, k), dtype, 12)
+    bias = rand((n,), dtype, 13)
+    kind = gemv_module.ROW_SCALES if method == "wint8" else gemv_module.FP8_BLOCKS
+    assert gemv_module.supports_8bit(x2, packed.qweight, packed.scales, kind) == (m == 1)
+    calls = []
+    original = gemv_module.gemv_8bit
+    gemv_module.gemv_8bit = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        got = linear(x2, packed, bias)
+    finally:
+        gemv_module.gemv_8bit = original
+    assert bool(calls) == (m == 1) and got.dtype == dtype and got.shape == (m, n)
+    if m > 1 and DEVICE.type == "cpu" and dtype == torch.bfloat16:
+        return  # the tiled kernel's bfloat16 dots: Triton 3.6's interpreter computes them wrong
+    want = spec.linear(x2.float().cpu().numpy(), qw, bias.float().cpu().numpy())
+    np.testing.assert_allclose(got.float().cpu().numpy(), want,
+                               **spec.tolerance("linear", "float32" if dtype == torch.float32 else "bfloat16", method))
+
+
+def test_supports_8bit():
+    from fd_backend_cuda.kernels.gemv import FP8_BLOCKS, ROW_SCALES, supports_8bit
+
+    x2 = rand((1, 256), torch.bfloat16, 14)
+    q8 = torch.zeros((300, 256), dtype=torch.int8, device=DEVICE)
+    assert supports_8bit(x2, q8, torch.ones((300, 1), device=DEVICE), ROW_SCALES)
+    assert not supports_8bit(x2, q8, torch.ones((300, 2), device=DEVICE)[:150], ROW_SCALES)  # a row per scale
+    assert not supports_8bit(x2, q8, torch.ones((300, 1), device=DEVICE), FP8_BLOCKS)  # int8 is not float8
+    bits = q8.view(torch.uint8)
+    assert supports_8bit(x2, bits, torch.ones((3, 4), device=DEVICE), FP8_BLOCKS)  # K padded to 4 blocks
+    assert not supports_8bit(x2, bits, torch.ones((2, 2), device=DEVICE), FP8_BLOCKS)  # too few row blocks
+    assert not supports_8bit(x2, bits, torch.ones((3, 1), device=DEVICE), FP8_BLOCKS)  # too few column blocks
+    assert not supports_8bit(rand((2, 256), torch.bfloat16, 14), bits, torch.ones((3, 2), device=DEVICE), FP8_BLOCKS)
+
+
+@pytest.mark.parametrize("config", [Config(1, 128), Config(2, 256, prefetch=True), Config(4, 512, 2, prefetch=True)],
+                         ids=str)
+@pytest.mark.parametrize("k", [384, 320])
+def test_fp8_one_row_configs(config, k):
+    """Every float8 launch (steps of one block or several, a ragged last step, prefetched or
+    not) computes the same product; steps that cut a 128-column block are refused."""
+    import numpy as np
+    from fd_core.quantization.host import upload_quantized
+    from fd_core.quantization.quantize import quantize
+    from fd_core.runtimes.torch.memory import TorchMemory
+
+    from fd_backend_cuda.kernels.gemv import FP8_BLOCKS, gemv_8bit
+    from fd_backend_cuda.kernels.quantized_linear import pack_linear
+
+    w = (np.random.default_rng(k).standard_normal((150, k)) * k**-0.5).astype(np.float32)
+    qw = quantize(w, "block_wise_fp8", 128)
+    packed = pack_linear(upload_quantized(qw, TorchMemory(str(DEVICE))))
+    x2 = rand((1, k), torch.bfloat16, 15)
+    got = gemv_8bit(x2, packed.qweight, packed.scales, FP8_BLOCKS, config=config)
+    want = spec.linear(x2.float().cpu().numpy(), qw)
+    np.testing.assert_allclose(got.float().cpu().numpy(), want, **spec.tolerance("linear", "bfloat16", "block_wise_fp8"))
+    with pytest.raises(ValueError, match="128-column blocks"):
+        gemv_8bit(x2, packed.qweight, packed.scales, FP8_BLOCKS, config=Config(2, 64))

@@ -42,6 +42,9 @@ import triton.language as tl
 from fd_backend_cuda.kernels._common import FLOAT_DTYPES, interpreting, next_pow2, pdl, pdl_start, sm_count
 
 MAX_ROWS = 4
+# gemv_8bit's weights: int8 with one scale a row (wint8 per channel; _gemv_kernel's SCALES);
+# float8 e4m3 bits with one scale per 128 x 128 block (block_wise_fp8; _gemv_fp8_kernel)
+NO_SCALES, ROW_SCALES, FP8_BLOCKS = 0, 1, 2
 
 
 class Config(NamedTuple):
@@ -58,11 +61,12 @@ class Config(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                  HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, SCALES: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_sn
     rk0 = tl.arange(0, BLOCK_K)
     # The first weight tile is asked for before waiting on the kernel ahead: no kernel of a step
     # writes weights, so this read cannot race, and its DRAM latency overlaps the kernel ahead
@@ -121,9 +125,56 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     for r in tl.static_range(ROWS):
         out = tl.sum(acc0 if r == 0 else acc1 if r == 1 else acc2 if r == 2 else acc3, axis=1)
+        if SCALES:  # int8: one scale a row, applied once to the sum
+            out *= tl.load(s_rows)
         if HAS_BIAS:
             out += bias
         tl.store(y_ptr + r * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok & (r < M))
+
+
+@triton.jit
+def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_sn,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, EVEN_K: tl.constexpr,
+                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """One row of x against float8 e4m3 weights with a scale per 128 x 128 block: tiles of
+    ``[BLOCK_N, BLOCKS, 128]``, so a step spans ``BLOCKS`` scale blocks (a step of one block
+    kept 16 bytes a thread in flight: 0.8-1.2 TB/s on an H200) and each scale multiplies its
+    block's 128 values in registers."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    w_rows = w_ptr + rows[:, None, None] * stride_wn
+    s_rows = s_ptr + (rows // 128)[:, None] * stride_sn  # each row's 128-row block
+    blk = tl.arange(0, BLOCKS)
+    cols = blk[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+    BLOCK_K: tl.constexpr = BLOCKS * 128
+    # weights (and scales) are never written by a step: asked for before the launch wait
+    if EVEN_K:
+        w_next = tl.load(w_rows + cols, eviction_policy="evict_first")
+    else:
+        w_next = tl.load(w_rows + cols, mask=cols < K, other=0, eviction_policy="evict_first")
+    pdl_start(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + cols
+        s = tl.load(s_rows + (k0 // 128 + blk)[None, :], mask=((k0 + blk * 128) < K)[None, :], other=0.0)
+        w = w_next.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, :, None]
+        if PREFETCH:
+            w_next = tl.load(w_rows + BLOCK_K + rk, mask=rk + BLOCK_K < K, other=0, eviction_policy="evict_first")
+        x_tile = tl.broadcast_to(x_ptr + rk, (BLOCK_N, BLOCKS, 128))
+        if EVEN_K:
+            xv = tl.load(x_tile)
+        else:
+            xv = tl.load(x_tile, mask=rk < K, other=0.0)
+        acc += w * xv.to(tl.float32)
+        if not PREFETCH:
+            if k0 + BLOCK_K < K:
+                w_next = tl.load(w_rows + BLOCK_K + rk, mask=rk + BLOCK_K < K, other=0,
+                                 eviction_policy="evict_first")
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    n_ok = rn < N
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -225,10 +276,79 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
             EVEN_K=k % config.block_k == 0, UPCAST=interpreting(), num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl(x2.device))
         return y
+    _launch(x2, weight, None, NO_SCALES, bias, y, config)
+    return y
+
+
+def _launch(x2, weight, scales, kind, bias, y, config: Config) -> None:
+    """``_gemv_kernel`` over ``y``'s rows; ``scales`` as ``kind`` (NO_SCALES: unread)."""
+    m, k = x2.shape[0], x2.shape[1]
+    n = y.shape[1]
     rows = 1 if m == 1 else 2 if m == 2 else 4
-    _gemv_kernel[grid](
-        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+    scales = weight if scales is None else scales
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x2, weight, scales, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0),
+        scales.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k, SCALES=kind,
+        num_warps=config.num_warps, num_stages=1, **pdl(x2.device))
+
+
+def choose_config_8bit(n: int, k: int, kind: int, sms: int = 132) -> Config:
+    """One row against an int8 (``ROW_SCALES``) or float8 (``FP8_BLOCKS``: ``block_k`` a
+    multiple of 128) ``[n, k]`` weight: programs of two rows where that still gives two per SM,
+    the next step prefetched, 32 int8 bytes a thread a step, 16 float8 ones (its conversions
+    and per-block scaling cost more registers a value). The best of the launches swept on every
+    Llama-3-8B shape on an H200 (``benchmarks/bench_8bit_gemv.py --sweep``)."""
+    block_n = 2 if n // 2 >= 2 * sms else 1
+    block_k = (32 if kind == ROW_SCALES else 16) * 32 * 4 // block_n
+    if kind == ROW_SCALES:
+        block_k = _step(k, block_k)
+    return Config(block_n, block_k, 4, prefetch=k > block_k)
+
+
+def supports_8bit(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int) -> bool:
+    """Whether ``gemv_8bit`` takes these operands: one row of x (2 to 4 ran slower than the
+    tiled quantized kernel: the CUDA cores' conversions and FMAs become the limit) with a unit
+    stride along K, an int8 (``ROW_SCALES``: float32 scales ``[N, 1]``) or uint8
+    (``FP8_BLOCKS``: float32 scales ``[ceil(N / 128), >= ceil(K / 128)]``) contiguous weight."""
+    on_device = x2.is_cuda and qweight.is_cuda and x2.device == qweight.device == scales.device
+    on_cpu = interpreting() and x2.device.type == qweight.device.type == scales.device.type == "cpu"
+    if not ((on_device or on_cpu) and x2.dim() == 2 and qweight.dim() == 2 and x2.shape[0] == 1
+            and x2.dtype in FLOAT_DTYPES and qweight.shape[1] == x2.shape[1] and qweight.is_contiguous()
+            and (x2.shape[1] <= 1 or x2.stride(1) == 1) and scales.dtype == torch.float32 and scales.dim() == 2
+            and scales.stride(1) == 1):
+        return False
+    n, k = qweight.shape
+    if kind == ROW_SCALES:
+        return qweight.dtype == torch.int8 and scales.shape[0] == n
+    return (kind == FP8_BLOCKS and qweight.dtype == torch.uint8 and scales.shape[0] == -(-n // 128)
+            and scales.shape[1] >= -(-k // 128))
+
+
+def gemv_8bit(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, kind: int,
+              bias: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """``x2 [1, K] @ dequantize(qweight [N, K]).T (+ bias)`` -> ``[1, N]`` in x's dtype for the
+    8-bit weights ``supports_8bit`` accepts: the weight streamed as stored (half bf16's bytes),
+    float8 values scaled in the loop, int8 sums once per output."""
+    k = qweight.shape[1]
+    n = qweight.shape[0]
+    y = torch.empty((1, n), dtype=x2.dtype, device=x2.device)
+    if n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(1, n))
+    if config is None:
+        config = choose_config_8bit(n, k, kind, sm_count(x2.device, otherwise=132))
+    bias = None if bias is None else bias.contiguous()
+    if kind == ROW_SCALES:
+        _launch(x2, qweight, scales, kind, bias, y, config)
+        return y
+    if config.block_k % 128:
+        raise ValueError(f"gemv_8bit: float8 steps of {config.block_k} columns cut its 128-column blocks")
+    _gemv_fp8_kernel[(triton.cdiv(n, config.block_n),)](
+        x2, qweight, scales, qweight if bias is None else bias, y, n, k, qweight.stride(0), scales.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCKS=config.block_k // 128,
         EVEN_K=k % config.block_k == 0, PREFETCH=config.prefetch and k > config.block_k,
         num_warps=config.num_warps, num_stages=1, **pdl(x2.device))
     return y

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 
-from fd_backend_cuda.kernels import int4_gemv
+from fd_backend_cuda.kernels import gemv, int4_gemv
 from fd_backend_cuda.kernels._common import sm_count
 
 METHODS = ("wint8", "wint4", "block_wise_fp8")
@@ -373,6 +373,13 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*shape[:-1], out_features)
+    if config is None and m == 1 and weight.zeros is None:
+        # 8-bit weights at one row: the plain few-row kernels, no 16-row tile of which 15 are
+        # padding (docs/PERFORMANCE.md)
+        scaled = gemv.FP8_BLOCKS if kind == 2 else gemv.ROW_SCALES if kind == 0 and weight.group_size in (-1, in_features) else None
+        if scaled is not None and gemv.supports_8bit(x2, weight.qweight, weight.scales, scaled):
+            y = gemv.gemv_8bit(x2, weight.qweight, weight.scales, scaled, bias)
+            return y.reshape(*shape[:-1], out_features)
     if config is None and m >= W8A8_MIN_ROWS and _w8a8_ready(weight, x2):
         y = w8a8_linear(x2, weight)
         if bias is not None:
