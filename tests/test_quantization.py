@@ -292,3 +292,24 @@ def test_other_checkpoint_quantization_is_refused_by_name(tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("method, group, zeros", [("wint8", -1, False), ("wint4", 128, True), ("wint8", 32, False),
+                                                  ("block_wise_fp8", 128, False)])
+def test_quantizing_in_row_bands_changes_nothing(monkeypatch, method, group, zeros):
+    """Quantizers run on bands of rows (several threads); FP8's bands are whole 128-row blocks.
+    Bands of 3 rows (128 for FP8), the last one partial, give the bytes one band gives."""
+    from fd_core.quantization import quantize as module
+
+    w = (np.random.default_rng(5).standard_normal((300, 256)) * 0.05).astype(np.float32)
+    w[129] = 0
+    monkeypatch.setattr(module, "BAND_VALUES", 1 << 30)
+    whole = module.quantize(w, method, group, zeros)
+    monkeypatch.setattr(module, "BAND_VALUES", 3 * 256)
+    fp8 = method == "block_wise_fp8"
+    assert len(module.by_row_bands(len, w, 128 if fp8 else 1)) == (3 if fp8 else 100)
+    banded = module.quantize(w, method, group, zeros)
+    for name in ("qweight", "scales", "zeros"):
+        a, b = getattr(whole, name), getattr(banded, name)
+        assert (a is None and b is None) or np.array_equal(a, b), name
+    assert banded.shape == whole.shape and banded.group_size == whole.group_size
