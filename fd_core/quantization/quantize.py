@@ -29,7 +29,7 @@ ALIASES = {"fp8": "block_wise_fp8"}  # vLLM's spelling
 DEFAULT_GROUP_SIZE = {"wint8": -1, "wint4": 128, "block_wise_fp8": FP8_BLOCK}
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 BAND_VALUES = 1 << 20  # values a quantizer takes at a time (by_row_bands)
-THREADS = min(8, os.cpu_count() or 1)
+THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 T = TypeVar("T")
 
 

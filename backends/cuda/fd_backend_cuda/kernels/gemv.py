@@ -1,5 +1,7 @@
 """Plain (unquantized) ``y = x @ w.T (+ bias)`` for 1 to 4 rows of x: a decode step of one to
 four sequences, float16 / bfloat16 / float32, weight ``[N, K]`` row-major (nn.Linear's layout).
+And for one row, 8-bit weights (``gemv_8bit``: wint8 per channel, block_wise_fp8), which the
+quantized ``linear`` (``quantized_linear.py``) hands here.
 
 Why a kernel of its own: at one row cuBLAS picks kernels that reach ~1 TB/s on small weights
 (H200, inside a CUDA graph: 13 µs for ERNIE-0.3B's 1024×2048 o_proj, a split-K pair of kernels

@@ -21,7 +21,9 @@ steps, ``BLOCK_K`` a power of two dividing the group (fp8: the 128-column block)
 ``tl.dot`` and the step's partial sum is scaled after it, ``acc += dot(x, q) * s + rowsum(x) * z``.
 Decode batches (``M <= 16``) use narrow ``BLOCK_N`` tiles so that at least two programs run per
 SM: the loop streams the weight once at full bandwidth without a split-K reduction, and with no
-workspace the kernel is safe inside CUDA graphs. Prefill uses 128 x 128 tiles.
+workspace the kernel is safe inside CUDA graphs. Prefill uses 128 x 128 tiles. At one row (a
+16-row tile would be 15 rows of padding) wint8 per channel and block_wise_fp8 go to
+``gemv.py``'s one-row kernels, wint4 at one to four rows to ``int4_gemv.py``.
 """
 
 from __future__ import annotations
@@ -376,7 +378,8 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if config is None and m == 1 and weight.zeros is None:
         # 8-bit weights at one row: the plain few-row kernels, no 16-row tile of which 15 are
         # padding (docs/PERFORMANCE.md)
-        scaled = gemv.FP8_BLOCKS if kind == 2 else gemv.ROW_SCALES if kind == 0 and weight.group_size in (-1, in_features) else None
+        per_channel = kind == 0 and weight.group_size in (-1, in_features)
+        scaled = gemv.FP8_BLOCKS if kind == 2 else gemv.ROW_SCALES if per_channel else None
         if scaled is not None and gemv.supports_8bit(x2, weight.qweight, weight.scales, scaled):
             y = gemv.gemv_8bit(x2, weight.qweight, weight.scales, scaled, bias)
             return y.reshape(*shape[:-1], out_features)
