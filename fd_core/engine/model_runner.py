@@ -53,8 +53,6 @@ class StepResult:
     prompt: SampleOutput | None = None
 
 
-
-
 @dataclass
 class Launched:
     """A step queued on the device whose tokens the host has not read: ``pending.result()``

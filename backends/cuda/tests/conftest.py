@@ -1,8 +1,31 @@
-"""Models the GPU tests share, built once per session (the ERNIE-0.3B shape takes ~20 s)."""
+"""What the cuda backend's tests share: this package importable uninstalled, Triton's
+interpreter where no CUDA device is, and the models the GPU tests build once per session (the
+ERNIE-0.3B shape takes ~20 s)."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
+
+
+def _interpret_without_a_gpu() -> None:
+    """Without a CUDA device the kernel tests run on CPU tensors through Triton's interpreter,
+    whose switch must be set before triton (any ``@triton.jit``) is imported: here, before any
+    test module is."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_without_a_gpu()
 
 
 def _need_cuda(devices: int = 1):

@@ -11,20 +11,12 @@ none, so any difference is a bug.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton (and any @triton.jit) is imported
 triton = pytest.importorskip("triton")
 import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fd_backend_cuda, uninstalled
 
 from fd_core.interfaces.ops import SamplingBatch
 from fd_core.testing import spec

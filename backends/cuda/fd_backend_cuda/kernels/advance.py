@@ -49,4 +49,3 @@ def advance(ids: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, tabl
     _advance_kernel[grid](ids, positions, lens, tables, params, drawn, num_seqs, n, tables.stride(0),
                           params.stride(0), drawn.stride(0), BLOCK_SIZE=block_size, STEP_COLUMN=step_column,
                           BLOCK=_BLOCK, num_warps=4)
-

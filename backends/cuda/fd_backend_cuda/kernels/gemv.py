@@ -68,7 +68,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
                  EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, SCALES: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_sn
     rk0 = tl.arange(0, BLOCK_K)
     # The first weight tile is asked for before waiting on the kernel ahead: no kernel of a step
     # writes weights, so this read cannot race, and its DRAM latency overlaps the kernel ahead
@@ -125,10 +124,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_w
     n_ok = rn < N
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if SCALES:
+        scale = tl.load(s_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_sn)
     for r in tl.static_range(ROWS):
         out = tl.sum(acc0 if r == 0 else acc1 if r == 1 else acc2 if r == 2 else acc3, axis=1)
         if SCALES:  # int8: one scale a row, applied once to the sum
-            out *= tl.load(s_rows)
+            out *= scale
         if HAS_BIAS:
             out += bias
         tl.store(y_ptr + r * stride_ym + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok & (r < M))
@@ -145,16 +146,16 @@ def _gemv_fp8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1).to(tl.int64)
     w_rows = w_ptr + rows[:, None, None] * stride_wn
-    s_rows = s_ptr + (rows // 128)[:, None] * stride_sn  # each row's 128-row block
     blk = tl.arange(0, BLOCKS)
     cols = blk[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     BLOCK_K: tl.constexpr = BLOCKS * 128
-    # weights (and scales) are never written by a step: asked for before the launch wait
+    # weights are never written by a step: the first tile is asked for before the launch wait
     if EVEN_K:
         w_next = tl.load(w_rows + cols, eviction_policy="evict_first")
     else:
         w_next = tl.load(w_rows + cols, mask=cols < K, other=0, eviction_policy="evict_first")
     pdl_start(PDL)
+    s_rows = s_ptr + (rows // 128)[:, None] * stride_sn  # each row's 128-row block
     acc = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + cols
