@@ -270,12 +270,14 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None, help="batch1, mixed: write the timeline here")
     ap.add_argument("--model", type=Path, default=None,
                     help="a checkpoint folder (e.g. quantized.py's Llama-3-8B shape); default: the ERNIE-4.5-0.3B shape")
+    ap.add_argument("--quantization", default=None, help="the engine's flag (e.g. wint4 with quantized.py's checkpoint)")
     ap.add_argument("--num-scheduler-steps", type=int, default=1, metavar="K",
                     help="rounds of K decode steps (the engine's flag); the figures stay per device step")
     args = ap.parse_args()
     model = args.model or e2e.build_model(Path("/tmp/fd-ernie-0.3b"))
     llm = LLM(model=str(model), device="cuda", dtype="bfloat16",
-              max_model_len=1300, max_num_seqs=128, num_scheduler_steps=args.num_scheduler_steps)
+              max_model_len=1300, max_num_seqs=128, num_scheduler_steps=args.num_scheduler_steps,
+              quantization=args.quantization)
     if args.load == "batch1":
         batch1(llm, args.trace, args.batch)
     elif args.load == "mixed":

@@ -70,11 +70,13 @@ def test_quantized_linear_matches_the_spec(method, group, zeros, layout, rows, d
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int4_few_rows_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype, rows):
-    """One to four rows of activations go through kernels/int4_gemv.py; its split-K workspace
-    cleans itself, so replays of a CUDA graph (and calls after them) keep matching the spec (a
-    stale workspace would add the previous call's sums). Equal to the bit only without split K:
-    the float32 partial sums arrive in any order."""
-    from fd_backend_cuda.kernels import int4_gemv
+    """One row of activations goes through kernels/int4_row.py, two to four through
+    kernels/int4_gemv.py (and one row there too, where Gluon is missing: checked directly).
+    Their split-K workspace cleans itself, so replays of a CUDA graph (and calls after them)
+    keep matching the spec (a stale workspace would add the previous call's sums). Equal to the
+    bit only without split K: the float32 partial sums arrive in any order."""
+    from fd_backend_cuda.kernels import int4_gemv, int4_row
+    from fd_backend_cuda.kernels._common import sm_count
 
     rng = np.random.default_rng(out_f + in_f)
     w = (rng.standard_normal((out_f, in_f)) * in_f**-0.5).astype(np.float32)
@@ -83,8 +85,12 @@ def test_int4_few_rows_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype,
     x = torch.from_numpy(rng.standard_normal((rows, in_f)).astype(np.float32)).cuda().to(dtype)
     chunk = 2 * 128 if group in (-1, 128) else 2 * 64
     assert int4_gemv.supports(x, packed, chunk // 2)
+    assert int4_row.supports(x, packed, chunk // 2) == (rows == 1)
     want = spec.linear(x.float().cpu().numpy(), qw)
     tolerance = spec.tolerance("linear", "bfloat16", "wint4")
+    if rows == 1:
+        few = int4_gemv.int4_gemv(x, packed, chunk // 2, sm_count(x.device))
+        np.testing.assert_allclose(few.float().cpu().numpy(), want, **tolerance)
     first = linear(x, packed)
     np.testing.assert_allclose(first.float().cpu().numpy(), want, **tolerance)
     stream = torch.cuda.Stream()

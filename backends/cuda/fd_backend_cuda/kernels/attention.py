@@ -320,12 +320,15 @@ def _attention_kernel(
     SPLIT_MASK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
     item = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // G
 
+    # The step's metadata is read before the wait: it is uploaded, or written by the step's
+    # first kernel (advance.py), before any layer's kernels, and a kernel under programmatic
+    # launch starts only once the one two places ahead has finished (every kernel waits before
+    # it lets the next one start); only the kernel just ahead (the K/V write) may still run.
     seq = tl.load(item_seq_ptr + item)
     tok0 = tl.load(item_tok_ptr + item)
     q_start = tl.load(qsl_ptr + seq)
@@ -345,6 +348,7 @@ def _attention_kernel(
         d_ok = d < HEAD_DIM
 
     row_off = (q_start + tok).to(tl.int64)
+    pdl_start(PDL)
     q = tl.load(
         q_ptr + row_off[:, None] * q_sn + head[:, None] * q_sh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],

@@ -23,7 +23,8 @@ Decode batches (``M <= 16``) use narrow ``BLOCK_N`` tiles so that at least two p
 SM: the loop streams the weight once at full bandwidth without a split-K reduction, and with no
 workspace the kernel is safe inside CUDA graphs. Prefill uses 128 x 128 tiles. At one row (a
 16-row tile would be 15 rows of padding) wint8 per channel and block_wise_fp8 go to
-``gemv.py``'s one-row kernels, wint4 at one to four rows to ``int4_gemv.py``.
+``gemv.py``'s one-row kernels, wint4 at one row to ``int4_row.py`` (Gluon, sm80+) and at two to
+four rows (or where Gluon is missing) to ``int4_gemv.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton
 import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 
-from fd_backend_cuda.kernels import gemv, int4_gemv
+from fd_backend_cuda.kernels import gemv, int4_gemv, int4_row
 from fd_backend_cuda.kernels._common import sm_count
 
 METHODS = ("wint8", "wint4", "block_wise_fp8")
@@ -370,6 +371,11 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if not m:
         return x.new_empty((*shape[:-1], out_features))
     step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
+    if config is None and kind == 1 and int4_row.supports(x2, weight, step // 2):
+        y = int4_row.int4_row(x2, weight, step // 2, sm_count(x.device))
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*shape[:-1], out_features)
     if config is None and kind == 1 and int4_gemv.supports(x2, weight, step // 2):
         y = int4_gemv.int4_gemv(x2, weight, step // 2, sm_count(x.device))
         if bias is not None:

@@ -1,0 +1,87 @@
+"""The one-row wint4 kernel (``kernels/int4_row.py``) compiled for sm90 and sm80 without a GPU:
+its layout claims (a word unpacks into the mma's A registers, the scales sit in the rows'
+threads) are ``assert_trivial`` conversions that fail at compile time, and the PTX shows the
+tensor-core instructions, 16-byte weight loads read ``evict_first`` and no byte-wise loads.
+Its values are checked on a GPU by ``test_quantized_linear.py``'s one-row cases.
+
+The compiler runs in a child process: on a machine without a GPU the conftest turns on
+Triton's interpreter, under which the ``jit`` functions a Gluon kernel calls cannot be compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+
+from fd_backend_cuda.kernels import int4_gemv, int4_row  # noqa: E402
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": "*bf16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "K_SPLIT_WORDS": "i32",
+             "stride_wn": "i32", "stride_sn": "i32"}
+
+
+def compile_ptx(half: int, dtype: torch.dtype, group: int, zeros: bool, split: bool, pdl: bool, arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    w_layout, x_layout = int4_row._layouts(half)
+    name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    signature = {k: (f"*{name}" if k in ("x_ptr", "y_ptr") else v) for k, v in SIGNATURE.items()}
+    constants = dict(H=half, GROUP=group, HAS_ZEROS=zeros, SPLIT=split,
+                     UNPACK=int4_row._unpack_asm(int4_row._MAGIC[dtype]),
+                     DT=gl.bfloat16 if dtype == torch.bfloat16 else gl.float16, MAGIC=int4_gemv._UNPACK[dtype][1],
+                     WL=w_layout, XV=x_layout, GP=triton.next_power_of_2(group), GC=min(32, triton.next_power_of_2(max(1, 4096 // group))),
+                     PDL=pdl)
+    signature.update({k: "constexpr" for k in constants})
+    # as the launcher specializes them: pointers and strides divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(SIGNATURE))}
+    source = GluonASTSource(int4_row._int4_row_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = {"num_warps": 4, "maxnreg": int4_row.MAX_REGISTERS}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("half, dtype, group, zeros, split, pdl, arch", [
+    (128, torch.bfloat16, 128, True, True, True, 90),
+    (128, torch.float16, 128, False, False, True, 90),
+    (64, torch.bfloat16, 64, True, True, False, 90),
+    (128, torch.bfloat16, 4096, True, False, False, 80),
+    (64, torch.float16, 384, False, False, True, 90),  # one group of a row spanning 384 columns
+])
+def test_int4_row_compiles_to_tensor_cores_and_wide_loads(half, dtype, group, zeros, split, pdl, arch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).resolve().parent
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
+    args = json.dumps([half, str(dtype).removeprefix("torch."), group, zeros, split, pdl, arch])
+    code = ("import json, sys, torch; from test_int4_row import compile_ptx; a = json.loads(sys.argv[1]); "
+            "a[1] = getattr(torch, a[1]); sys.stdout.write(compile_ptx(*a))")
+    run = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ptx = run.stdout
+    kind = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{kind}\.{kind}\.f32", ptx)
+    assert re.search(r"ld\.global\.L1::evict_first[.\w:]*\.v4\.b32", ptx)  # the weight's 16-byte loads
+    assert not re.search(r"ld\.global[.\w:]*\.(u8|b8|s8)\b", ptx)  # never byte by byte
+    assert (".maxnreg 128" in ptx) and (("griddepcontrol.wait" in ptx) == pdl)
+
+
+def test_int4_row_declines_what_it_does_not_serve():
+    """CPU tensors (the interpreter), two rows and float32 go to int4_gemv or the tiled kernel."""
+    from fd_core.interfaces import QuantizedWeight
+
+    w = QuantizedWeight("wint4", torch.zeros((64, 128), dtype=torch.uint8), torch.ones((64, 2)), 128, (64, 256),
+                        None, "cuda_w4")
+    assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.bfloat16), w, 128)
+    assert not int4_row.supports(torch.zeros((2, 256), dtype=torch.bfloat16), w, 128)
+    assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.float32), w, 128)
