@@ -240,11 +240,13 @@ if gluon is not None:
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 8  # mma.sync with bf16
+    # mma.sync with bf16 from sm80; compiled for sm80 and sm90 and run on sm90 only, so newer
+    # architectures keep int4_gemv.py (plain Triton) until it has run there
+    return 8 <= torch.cuda.get_device_capability(index)[0] <= 9
 
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
-    """One row of bf16/fp16 on sm80 or later, chunks of 128 or 256 columns, Gluon present, and
+    """One row of bf16/fp16 on sm80-sm90, chunks of 128 or 256 columns, Gluon present, and
     ``int4_gemv``'s workspace reserved (``pack_linear``)."""
     if gluon is None or not x2.is_cuda or interpreting() or x2.shape[0] != 1 or x2.dtype not in _MAGIC:
         return False

@@ -23,7 +23,7 @@ Decode batches (``M <= 16``) use narrow ``BLOCK_N`` tiles so that at least two p
 SM: the loop streams the weight once at full bandwidth without a split-K reduction, and with no
 workspace the kernel is safe inside CUDA graphs. Prefill uses 128 x 128 tiles. At one row (a
 16-row tile would be 15 rows of padding) wint8 per channel and block_wise_fp8 go to
-``gemv.py``'s one-row kernels, wint4 at one row to ``int4_row.py`` (Gluon, sm80+) and at two to
+``gemv.py``'s one-row kernels, wint4 at one row to ``int4_row.py`` (Gluon, sm80-sm90) and at two to
 four rows (or where Gluon is missing) to ``int4_gemv.py``.
 """
 
