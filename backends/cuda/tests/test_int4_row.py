@@ -77,7 +77,8 @@ def test_int4_row_compiles_to_tensor_cores_and_wide_loads(half, dtype, group, ze
 
 
 def test_int4_row_declines_what_it_does_not_serve():
-    """CPU tensors (the interpreter), two rows and float32 go to int4_gemv or the tiled kernel."""
+    """CPU tensors (the interpreter), two rows, float32 and groups wider than a step go to
+    int4_gemv or the tiled kernel."""
     from fd_core.interfaces import QuantizedWeight
 
     w = QuantizedWeight("wint4", torch.zeros((64, 128), dtype=torch.uint8), torch.ones((64, 2)), 128, (64, 256),
@@ -85,3 +86,12 @@ def test_int4_row_declines_what_it_does_not_serve():
     assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.bfloat16), w, 128)
     assert not int4_row.supports(torch.zeros((2, 256), dtype=torch.bfloat16), w, 128)
     assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.float32), w, 128)
+    # groups wider than a 256-column step (but not the whole row): a step's scale index assumes
+    # one group a half or a step
+    wide = QuantizedWeight("wint4", torch.zeros((64, 512), dtype=torch.uint8), torch.ones((64, 2)), 512, (64, 1024),
+                           None, "cuda_w4")
+    assert not int4_row._groups_fit(wide, 128)
+    assert int4_row._groups_fit(w, 128)
+    row = QuantizedWeight("wint4", torch.zeros((64, 512), dtype=torch.uint8), torch.ones((64, 1)), 1024, (64, 1024),
+                          None, "cuda_w4")
+    assert int4_row._groups_fit(row, 128)  # one group a row (per channel)

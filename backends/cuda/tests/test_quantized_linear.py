@@ -22,7 +22,7 @@ from fd_core.quantization.quantize import quantize  # noqa: E402
 from fd_core.runtimes.torch.memory import TorchMemory  # noqa: E402
 from fd_core.testing import spec  # noqa: E402
 
-from fd_backend_cuda.kernels.quantized_linear import linear, pack_linear  # noqa: E402
+from fd_backend_cuda.kernels.quantized_linear import _int4_chunk, linear, pack_linear  # noqa: E402
 
 CASES = [  # method, group, zeros, layout
     ("wint8", -1, False, "cuda_w8"),
@@ -66,6 +66,7 @@ def test_quantized_linear_matches_the_spec(method, group, zeros, layout, rows, d
     (1000, 14336, 128, True),  # a partial output tile, seven 2,048-column blocks
     (200, 2048, 64, True),  # half-chunks of 64 columns
     (256, 4096, -1, True),  # one group per row
+    (4096, 4096, 512, True),  # groups wider than a step: int4_gemv at one row too
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -83,9 +84,9 @@ def test_int4_few_rows_kernel_matches_the_spec(out_f, in_f, group, zeros, dtype,
     qw = quantize(w, "wint4", group, zeros)
     packed = pack_linear(_on_gpu(qw))
     x = torch.from_numpy(rng.standard_normal((rows, in_f)).astype(np.float32)).cuda().to(dtype)
-    chunk = 2 * 128 if group in (-1, 128) else 2 * 64
+    chunk = _int4_chunk(in_f if group == -1 else group, in_f)
     assert int4_gemv.supports(x, packed, chunk // 2)
-    assert int4_row.supports(x, packed, chunk // 2) == (rows == 1)
+    assert int4_row.supports(x, packed, chunk // 2) == (rows == 1 and group != 512)
     want = spec.linear(x.float().cpu().numpy(), qw)
     tolerance = spec.tolerance("linear", "bfloat16", "wint4")
     if rows == 1:

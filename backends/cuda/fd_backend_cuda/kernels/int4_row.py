@@ -245,12 +245,21 @@ def _capable(index: int) -> bool:
     return 8 <= torch.cuda.get_device_capability(index)[0] <= 9
 
 
+def _groups_fit(weight: QuantizedWeight, half: int) -> bool:
+    """A step's scales are indexed as one group a half or a step, or one for the whole row:
+    wider groups (512, or 384 across 256-column steps) go to int4_gemv."""
+    return (2 * half) % weight.group_size == 0 or weight.group_size == weight.shape[1]
+
+
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
-    """One row of bf16/fp16 on sm80-sm90, chunks of 128 or 256 columns, Gluon present, and
+    """One row of bf16/fp16 on sm80-sm90, chunks of 128 or 256 columns, groups dividing the
+    chunk or spanning the row, Gluon present, and
     ``int4_gemv``'s workspace reserved (``pack_linear``)."""
     if gluon is None or not x2.is_cuda or interpreting() or x2.shape[0] != 1 or x2.dtype not in _MAGIC:
         return False
     if half not in HALVES or x2.stride(-1) != 1:
+        return False
+    if not _groups_fit(weight, half):
         return False
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     return _capable(index) and int4_gemv.supports(x2, weight, half)
