@@ -39,8 +39,8 @@ def compile_ptx(half: int, dtype: torch.dtype, group: int, zeros: bool, split: b
     name = "bf16" if dtype == torch.bfloat16 else "fp16"
     signature = {k: (f"*{name}" if k in ("x_ptr", "y_ptr") else v) for k, v in SIGNATURE.items()}
     constants = dict(H=half, GROUP=group, HAS_ZEROS=zeros, SPLIT=split,
-                     UNPACK=int4_row._unpack_asm(int4_row._MAGIC[dtype]),
-                     DT=gl.bfloat16 if dtype == torch.bfloat16 else gl.float16, MAGIC=int4_gemv._UNPACK[dtype][1],
+                     UNPACK=int4_row._UNPACK[dtype],
+                     DT=gl.bfloat16 if dtype == torch.bfloat16 else gl.float16, MAGIC=int4_gemv.MAGIC[dtype][1],
                      WL=w_layout, XV=x_layout, GP=triton.next_power_of_2(group), GC=min(32, triton.next_power_of_2(max(1, 4096 // group))),
                      PDL=pdl)
     signature.update({k: "constexpr" for k in constants})
@@ -76,22 +76,36 @@ def test_int4_row_compiles_to_tensor_cores_and_wide_loads(half, dtype, group, ze
     assert (".maxnreg 128" in ptx) and (("griddepcontrol.wait" in ptx) == pdl)
 
 
-def test_int4_row_declines_what_it_does_not_serve():
-    """CPU tensors (the interpreter), two rows, float32 and groups wider than a step go to
-    int4_gemv or the tiled kernel."""
+def test_int4_row_serves_one_row_of_16_bit_floats_with_narrow_groups():
+    """What goes to int4_gemv or the tiled kernel instead: two rows, float32, half-chunks of 32
+    columns, groups wider than a 256-column step (a step's scale index assumes one group a half
+    or a step) unless one spans the row; and CPU tensors (Triton's interpreter runs no Gluon)."""
     from fd_core.interfaces import QuantizedWeight
 
-    w = QuantizedWeight("wint4", torch.zeros((64, 128), dtype=torch.uint8), torch.ones((64, 2)), 128, (64, 256),
-                        None, "cuda_w4")
-    assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.bfloat16), w, 128)
-    assert not int4_row.supports(torch.zeros((2, 256), dtype=torch.bfloat16), w, 128)
-    assert not int4_row.supports(torch.zeros((1, 256), dtype=torch.float32), w, 128)
-    # groups wider than a 256-column step (but not the whole row): a step's scale index assumes
-    # one group a half or a step
-    wide = QuantizedWeight("wint4", torch.zeros((64, 512), dtype=torch.uint8), torch.ones((64, 2)), 512, (64, 1024),
-                           None, "cuda_w4")
-    assert not int4_row._groups_fit(wide, 128)
-    assert int4_row._groups_fit(w, 128)
-    row = QuantizedWeight("wint4", torch.zeros((64, 512), dtype=torch.uint8), torch.ones((64, 1)), 1024, (64, 1024),
-                          None, "cuda_w4")
-    assert int4_row._groups_fit(row, 128)  # one group a row (per channel)
+    def weight(group: int, in_features: int) -> QuantizedWeight:
+        return QuantizedWeight("wint4", torch.zeros((64, in_features // 2), dtype=torch.uint8),
+                               torch.ones((64, in_features // group)), group, (64, in_features), None, "cuda_w4")
+
+    narrow = weight(128, 1024)
+    assert int4_row.serves(1, torch.bfloat16, narrow, 128) and int4_row.serves(1, torch.float16, narrow, 128)
+    assert int4_row.serves(1, torch.bfloat16, weight(64, 1024), 64)
+    assert not int4_row.serves(2, torch.bfloat16, narrow, 128)
+    assert not int4_row.serves(1, torch.float32, narrow, 128)
+    assert not int4_row.serves(1, torch.bfloat16, weight(32, 1024), 32)
+    assert not int4_row.serves(1, torch.bfloat16, weight(512, 1024), 128)
+    assert int4_row.serves(1, torch.bfloat16, weight(1024, 1024), 128)  # one group a row (per channel)
+    assert not int4_row.supports(torch.zeros((1, 1024), dtype=torch.bfloat16), narrow, 128)
+
+
+def test_split_k_plans():
+    """The split-K rule both int4 kernels share: two programs per SM where K allows, each
+    keeping ``min_steps`` whole steps; the programs' columns tile K."""
+    for n, k, step, min_steps in [(4096, 4096, 256, 2), (4096, 14336, 256, 1), (28672, 4096, 256, 2),
+                                  (256, 4096, 128, 1), (1000, 1024, 128, 2)]:
+        (tiles, splits), k_split = int4_gemv.split_k(n, k, step, 132, min_steps)
+        assert tiles == -(-n // int4_gemv.BLOCK_N) and k_split % step == 0 and splits == -(-k // k_split)
+        assert splits == 1 or k_split >= min_steps * step  # every program keeps its steps
+        if splits > 1:
+            assert tiles * splits // 2 < 2 * 132  # no split beyond two programs per SM
+    assert int4_gemv.split_k(28672, 4096, 256, 132, 2) == ((448, 1), 4096)  # enough programs already
+    assert int4_gemv.split_k(4096, 4096, 256, 132, 2) == ((64, 8), 512)  # two steps a program

@@ -30,16 +30,27 @@ def sm_count(device: torch.device, otherwise: int = 1) -> int:
     tensor's (Triton's interpreter), where launch plans only need a plausible figure."""
     if device.type != "cuda":
         return otherwise
-    return _sm_count(_index(device))
+    return _sm_count(device_index(device))
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device; the current one where the device names none."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability ``(major, minor)``, asked once per device."""
+    return _capability(device_index(device))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def next_pow2(n: int) -> int:
@@ -56,7 +67,7 @@ def pdl(device: torch.device) -> dict:
     on the CPU (Triton's interpreter) or on older GPUs."""
     if device.type != "cuda" or interpreting():
         return {"PDL": False}
-    on = _pdl(_index(device))
+    on = _pdl(device_index(device))
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
@@ -67,7 +78,7 @@ def _pdl(index: int) -> bool:
         from fd_core.errors import ConfigError
 
         raise ConfigError(f"{PDL_VARIABLE} must be 0 or 1, got {raw!r}")
-    return raw == "1" and torch.cuda.get_device_capability(index)[0] >= 9
+    return raw == "1" and _capability(index)[0] >= 9
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from fd_core.interfaces import QuantizedWeight
 
-from fd_backend_cuda.kernels._common import pdl, pdl_start
+from fd_backend_cuda.kernels._common import device_index, pdl, pdl_start
 
 BLOCK_N = 64
 COLS = 16
@@ -57,9 +57,10 @@ def _unpack_asm(magic_pair: int) -> str:
     """
 
 
-# bf16 128 + nibble and fp16 1024 + nibble are exact; the dot's excess (MAGIC + 8) * sum(x) is
-# taken off after it
-_UNPACK = {torch.bfloat16: (_unpack_asm(0x43004300), 136.0), torch.float16: (_unpack_asm(0x64006400), 1032.0)}
+# bf16 128 + nibble and fp16 1024 + nibble are exact: a pair of either in one word, and the
+# dot's excess (MAGIC + 8) * sum(x), taken off after it (int4_row.py unpacks the same way)
+MAGIC = {torch.bfloat16: (0x43004300, 136.0), torch.float16: (0x64006400, 1032.0)}
+_UNPACK = {dtype: (_unpack_asm(pair), offset) for dtype, (pair, offset) in MAGIC.items()}
 
 
 @triton.jit
@@ -133,7 +134,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
 def reserve(device: torch.device, out_features: int) -> None:
     """Make the device's split-K workspace (zeroed, self-cleaning) large enough for
     ``out_features`` outputs. Called at load (``pack_linear``): never inside a graph capture."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     tiles = triton.cdiv(out_features, BLOCK_N)
     have = _WORKSPACE.get(index)
     if have is None or have[1].numel() < tiles:
@@ -143,13 +144,29 @@ def reserve(device: torch.device, out_features: int) -> None:
                              torch.zeros(tiles, dtype=torch.int32, device=device))
 
 
+def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K workspace and arrival counters (``reserve``): int4_row.py's too."""
+    return _WORKSPACE[device_index(device)]
+
+
+def split_k(out_features: int, in_features: int, step: int, sms: int, min_steps: int) -> tuple[tuple[int, int], int]:
+    """The grid and the columns a program takes: K split in powers of two until there are two
+    programs per SM (``BLOCK_N`` rows each), as long as a program keeps ``min_steps`` steps of
+    ``step`` columns; a program's columns a multiple of ``step``."""
+    split = 1
+    while (triton.cdiv(out_features, BLOCK_N) * split < 2 * sms
+           and in_features // (split * 2) >= min_steps * step):
+        split *= 2
+    k_split = triton.cdiv(triton.cdiv(in_features, split), step) * step
+    return (triton.cdiv(out_features, BLOCK_N), triton.cdiv(in_features, k_split)), k_split
+
+
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
     """Up to ``MAX_ROWS`` rows of bf16/fp16 activations, half-chunks of whole ``HB`` steps, a
     workspace reserved."""
     if not x2.is_cuda:
         return False
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    have = _WORKSPACE.get(index)
+    have = _WORKSPACE.get(device_index(x2.device))
     return (x2.shape[0] <= MAX_ROWS and x2.dtype in (torch.bfloat16, torch.float16) and half % HB == 0
             and have is not None and have[1].numel() >= triton.cdiv(weight.shape[0], BLOCK_N))
 
@@ -160,16 +177,9 @@ def int4_gemv(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) ->
     out_features, in_features = weight.shape
     m = x2.shape[0]
     rows = 1 if m == 1 else 2 if m == 2 else 4
-    split = 1
-    # at least two programs per SM, each at least two steps long
-    while (triton.cdiv(out_features, BLOCK_N) * split < 2 * sms
-           and in_features // (split * 2) >= 2 * half):
-        split *= 2
-    k_split = triton.cdiv(triton.cdiv(in_features, split), 2 * half) * 2 * half
-    grid = (triton.cdiv(out_features, BLOCK_N), triton.cdiv(in_features, k_split))
+    grid, k_split = split_k(out_features, in_features, 2 * half, sms, min_steps=1)
     y = torch.empty((m, out_features), dtype=x2.dtype, device=x2.device)
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    ws, counters = _WORKSPACE[index]
+    ws, counters = workspace(x2.device)
     unpack, offset = _UNPACK[x2.dtype]
     zeros = weight.zeros
     _int4_gemv_kernel[grid](

@@ -43,13 +43,12 @@ import triton
 from fd_core.interfaces import QuantizedWeight
 
 from fd_backend_cuda.kernels import int4_gemv
-from fd_backend_cuda.kernels._common import interpreting, pdl
+from fd_backend_cuda.kernels._common import capability, interpreting, pdl, pdl_start
 
 try:  # Gluon: Triton 3.5 and later
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - an older Triton: int4_gemv serves every row count
     gluon = None
 
@@ -77,7 +76,7 @@ def _unpack_asm(magic_pair: int) -> str:
     """
 
 
-_MAGIC = {torch.bfloat16: 0x43004300, torch.float16: 0x64006400}
+_UNPACK = {dtype: _unpack_asm(pair) for dtype, (pair, _) in int4_gemv.MAGIC.items()}
 
 
 if gluon is not None:
@@ -106,14 +105,6 @@ if gluon is not None:
         regs = [[1, 0], [2, 0], [4, 0], [8, 0]] + ([[64, 0]] if half == 128 else [])
         return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[16, 0], [32, 0], [0, 1], [0, 2], [0, 4]],
                                           warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[half, 8])
-
-    @gluon.jit
-    def pdl_start(PDL: gl.constexpr):
-        """``_common.pdl_start`` for a Gluon kernel: that one is a ``triton.jit`` function,
-        which Triton's interpreter (the CPU tests) replaces by one Gluon cannot call."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
 
     @gluon.jit
     def _a_half(p0, p1, DT: gl.constexpr):
@@ -238,46 +229,33 @@ if gluon is not None:
         return w_layout(half), x_layout(half)
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    # mma.sync with bf16 from sm80; compiled for sm80 and sm90 and run on sm90 only, so newer
-    # architectures keep int4_gemv.py (plain Triton) until it has run there
-    return 8 <= torch.cuda.get_device_capability(index)[0] <= 9
-
-
 def _groups_fit(weight: QuantizedWeight, half: int) -> bool:
     """A step's scales are indexed as one group a half or a step, or one for the whole row:
     wider groups (512, or 384 across 256-column steps) go to int4_gemv."""
     return (2 * half) % weight.group_size == 0 or weight.group_size == weight.shape[1]
 
 
+def serves(rows: int, dtype: torch.dtype, weight: QuantizedWeight, half: int) -> bool:
+    """What the kernel computes, whatever the device: one row of bf16/fp16, chunks of 128 or 256
+    columns, groups ``_groups_fit`` takes."""
+    return rows == 1 and dtype in _UNPACK and half in HALVES and _groups_fit(weight, half)
+
+
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
-    """One row of bf16/fp16 on sm80-sm90, chunks of 128 or 256 columns, groups dividing the
-    chunk or spanning the row, Gluon present, and
-    ``int4_gemv``'s workspace reserved (``pack_linear``)."""
-    if gluon is None or not x2.is_cuda or interpreting() or x2.shape[0] != 1 or x2.dtype not in _MAGIC:
-        return False
-    if half not in HALVES or x2.stride(-1) != 1:
-        return False
-    if not _groups_fit(weight, half):
-        return False
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    return _capable(index) and int4_gemv.supports(x2, weight, half)
+    """``serves`` on an sm80-sm90 GPU with Gluon present. mma.sync with bf16 from sm80; compiled
+    for sm80 and sm90, run on sm90 only, so newer architectures keep int4_gemv.py (plain Triton)
+    until it has run there. The kernel also needs ``int4_gemv.supports`` (its workspace,
+    reserved by ``pack_linear``), which ``quantized_linear.linear`` asks first."""
+    return (gluon is not None and x2.is_cuda and not interpreting() and x2.stride(-1) == 1
+            and serves(x2.shape[0], x2.dtype, weight, half) and 8 <= capability(x2.device)[0] <= 9)
 
 
 def int4_row(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) -> torch.Tensor:
     """``x2`` ``[1, in]`` times the ``cuda_w4`` weight (half-chunks of ``half`` columns):
     ``[1, out]``."""
     out_features, in_features = weight.shape
-    step = 2 * half
-    split = 1
-    # at least two programs per SM, each at least two steps long
-    while triton.cdiv(out_features, BLOCK_N) * split < 2 * sms and in_features // (split * 2) >= 2 * step:
-        split *= 2
-    k_split = triton.cdiv(triton.cdiv(in_features, split), step) * step
-    grid = (triton.cdiv(out_features, BLOCK_N), triton.cdiv(in_features, k_split))
-    index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    ws, counters = int4_gemv._WORKSPACE[index]
+    grid, k_split = int4_gemv.split_k(out_features, in_features, 2 * half, sms, min_steps=2)
+    ws, counters = int4_gemv.workspace(x2.device)
     y = torch.empty((1, out_features), dtype=x2.dtype, device=x2.device)
     group = weight.group_size
     zeros = weight.zeros
@@ -285,8 +263,8 @@ def int4_row(x2: torch.Tensor, weight: QuantizedWeight, half: int, sms: int) -> 
     _int4_row_kernel[grid](
         x2, weight.qweight.view(torch.int32), weight.scales, weight.scales if zeros is None else zeros, y, ws, counters,
         out_features, in_features, k_split, k_split // 8, weight.qweight.stride(0), weight.scales.stride(0),
-        H=half, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT=grid[1] > 1, UNPACK=_unpack_asm(_MAGIC[x2.dtype]),
-        DT=gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16, MAGIC=int4_gemv._UNPACK[x2.dtype][1],
+        H=half, GROUP=group, HAS_ZEROS=zeros is not None, SPLIT=grid[1] > 1, UNPACK=_UNPACK[x2.dtype],
+        DT=gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16, MAGIC=int4_gemv.MAGIC[x2.dtype][1],
         WL=w_l, XV=x_l, GP=triton.next_power_of_2(group), GC=min(32, triton.next_power_of_2(max(1, k_split // group))),
         num_warps=4, maxnreg=MAX_REGISTERS, **pdl(x2.device))
     return y

@@ -35,7 +35,7 @@ import triton.language as tl
 from fd_core.interfaces import FP8_BLOCK, QuantizedWeight
 
 from fd_backend_cuda.kernels import gemv, int4_gemv, int4_row
-from fd_backend_cuda.kernels._common import sm_count
+from fd_backend_cuda.kernels._common import capability, sm_count
 
 METHODS = ("wint8", "wint4", "block_wise_fp8")
 _CODES = {"cuda_w8": 0, "cuda_w4": 1, "cuda_fp8": 2}
@@ -305,14 +305,8 @@ def _w8a8_ready(weight: QuantizedWeight, x: torch.Tensor) -> bool:
             and out_features % FP8_BLOCK == 0 and _sm90(x.device))
 
 
-_SM90: dict[int, bool] = {}
-
-
 def _sm90(device: torch.device) -> bool:
-    index = device.index or 0
-    if index not in _SM90:
-        _SM90[index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return _SM90[index]
+    return capability(device) == (9, 0)
 
 
 def w8a8_linear(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -371,13 +365,9 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     if not m:
         return x.new_empty((*shape[:-1], out_features))
     step = FP8_BLOCK if kind == 2 else _int4_chunk(weight.group_size, in_features) if kind == 1 else _step(weight.group_size)
-    if config is None and kind == 1 and int4_row.supports(x2, weight, step // 2):
-        y = int4_row.int4_row(x2, weight, step // 2, sm_count(x.device))
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.reshape(*shape[:-1], out_features)
-    if config is None and kind == 1 and int4_gemv.supports(x2, weight, step // 2):
-        y = int4_gemv.int4_gemv(x2, weight, step // 2, sm_count(x.device))
+    if config is None and kind == 1 and int4_gemv.supports(x2, weight, step // 2):  # one to four rows
+        few = int4_row.int4_row if int4_row.supports(x2, weight, step // 2) else int4_gemv.int4_gemv
+        y = few(x2, weight, step // 2, sm_count(x.device))
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*shape[:-1], out_features)
