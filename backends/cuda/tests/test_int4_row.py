@@ -78,8 +78,8 @@ def test_int4_row_compiles_to_tensor_cores_and_wide_loads(half, dtype, group, ze
 
 def test_int4_row_serves_one_row_of_16_bit_floats_with_narrow_groups():
     """What goes to int4_gemv or the tiled kernel instead: two rows, float32, half-chunks of 32
-    columns, groups wider than a 256-column step (a step's scale index assumes one group a half
-    or a step) unless one spans the row; and CPU tensors (Triton's interpreter runs no Gluon)."""
+    columns or not dividing the group (a half's sum takes one scale); and CPU tensors (Triton's
+    interpreter runs no Gluon). Groups wider than a step are served, 384 across 256-column steps too."""
     from fd_core.interfaces import QuantizedWeight
 
     def weight(group: int, in_features: int) -> QuantizedWeight:
@@ -92,7 +92,9 @@ def test_int4_row_serves_one_row_of_16_bit_floats_with_narrow_groups():
     assert not int4_row.serves(2, torch.bfloat16, narrow, 128)
     assert not int4_row.serves(1, torch.float32, narrow, 128)
     assert not int4_row.serves(1, torch.bfloat16, weight(32, 1024), 32)
-    assert not int4_row.serves(1, torch.bfloat16, weight(512, 1024), 128)
+    assert int4_row.serves(1, torch.bfloat16, weight(512, 1024), 128)
+    assert int4_row.serves(1, torch.bfloat16, weight(384, 3072), 128)
+    assert not int4_row.serves(1, torch.bfloat16, weight(192, 3072), 128)
     assert int4_row.serves(1, torch.bfloat16, weight(1024, 1024), 128)  # one group a row (per channel)
     assert not int4_row.supports(torch.zeros((1, 1024), dtype=torch.bfloat16), narrow, 128)
 

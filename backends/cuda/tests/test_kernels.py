@@ -552,7 +552,7 @@ def test_kernels_launched_with_pdl_touch_nothing_before_waiting():
                         "_int4_row_kernel": {"w_ptr", "s_ptr", "z_ptr"},
                         # the step's metadata: written before the layers' kernels (attention.py)
                         "_attention_kernel": {"item_seq_ptr", "item_tok_ptr", "qsl_ptr", "seq_lens_ptr",
-                                              "ctx_lens_ptr"}}
+                                              "ctx_lens_ptr", "bt_ptr"}}
     found = []
     for path in sorted(Path(inspect.getfile(kernels)).parent.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -31,7 +31,8 @@ H200, µs a call in a CUDA graph, each call on another copy of the weight (group
 qkv 6144 x 4096 10.9 -> 8.6, o 4096 x 4096 8.1 -> 5.8, gate_up 28672 x 4096 30.5 -> 21.2,
 down 4096 x 14336 16.0 -> 12.7 (``int4_gemv`` -> this kernel); the Llama-3-8B shape's batch-1
 token 2.739 -> 2.417 ms. Slower and not kept: weights through a cp.async ring in shared memory,
-x one step ahead in registers, x prefetched into L1 (docs/PERFORMANCE.md).
+or a TMA ring (3-6 stages, also with a warp-specialized producer: 5-50% slower), x one step
+ahead in registers, x prefetched into L1 (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -140,6 +141,26 @@ if gluon is not None:
         return out + d_low * s_low[:, None] + d_high * s_high[:, None]
 
     @gluon.jit
+    def _scale_cols(k_begin, g_begin, STEP: gl.constexpr, GROUP: gl.constexpr):
+        """Where a program's first step's two scales are (a half lies in one group: ``H``
+        divides ``GROUP``): groups, or columns where a group spans steps unevenly."""
+        halves = gl.arange(0, 2, layout=gl.SliceLayout(0, SL))[None, :]
+        if STEP % GROUP == 0:
+            return g_begin + halves * (STEP // 2 // GROUP)
+        else:
+            return k_begin + halves * (STEP // 2)
+
+    @gluon.jit
+    def _scales_at(s_rows, s_cols, i, STEP: gl.constexpr, GROUP: gl.constexpr):
+        """Step i's two scales' addresses: a constant stride where groups tile a step, else a
+        division (groups of 512, or 384 across 256-column steps; cost the o shape's two-step
+        programs ~0.4 us a call)."""
+        if STEP % GROUP == 0:
+            return s_rows + s_cols + i * (STEP // GROUP)
+        else:
+            return s_rows + (s_cols + i * STEP) // GROUP
+
+    @gluon.jit
     def _correction(x_ptr, s_ptr, z_ptr, rn_l, g0, g_end, stride_sn, MAGIC: gl.constexpr, HAS_ZEROS: gl.constexpr,
                     GROUP: gl.constexpr, GP: gl.constexpr, GC: gl.constexpr, corr):
         """Rows' sum over groups g0..g0+GC of (z - MAGIC s) * sum(x over the group); ``corr``
@@ -177,14 +198,14 @@ if gluon is not None:
         w_tile = (w_ptr + pid_k * K_SPLIT_WORDS) + gl.minimum(rn_w, N - 1).to(gl.int64)[:, None] * (stride_wn // 4) \
             + rw[None, :]
         rn_s = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SL)), N - 1).to(gl.int64)
-        s_rows = s_ptr + rn_s[:, None] * stride_sn + g_begin + \
-            (gl.arange(0, 2, layout=gl.SliceLayout(0, SL)) * (H // GROUP))[None, :]
+        s_rows = s_ptr + rn_s[:, None] * stride_sn
+        s_cols = _scale_cols(k_begin, g_begin, STEP, GROUP)
         rn_l = gl.minimum(pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, CL)), N - 1).to(gl.int64)
         # weights, scales and zeros only, before the wait: no kernel of a step writes them
         wa = gl.load(w_tile, eviction_policy="evict_first")
         wb = gl.load(w_tile + gl.minimum(1, last) * WORDS, eviction_policy="evict_first")
-        sa = gl.load(s_rows)
-        sb = gl.load(s_rows + gl.minimum(1, last) * (STEP // GROUP))
+        sa = gl.load(_scales_at(s_rows, s_cols, 0, STEP, GROUP))
+        sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(1, last), STEP, GROUP))
         rg_l = gl.arange(0, GC, layout=gl.SliceLayout(0, CL))
         sz = rn_l[:, None] * stride_sn + (g_begin + rg_l)[None, :]
         ok = ((g_begin + rg_l) < g_end)[None, :]
@@ -201,10 +222,10 @@ if gluon is not None:
         for i in range(0, last, 2):
             out = _step(out, wa, sa, x_ptr + k_begin + i * STEP, UNPACK, DT, H, XV)
             wa = gl.load(w_tile + gl.minimum(i + 2, last) * WORDS, eviction_policy="evict_first")
-            sa = gl.load(s_rows + gl.minimum(i + 2, last) * (STEP // GROUP))
+            sa = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 2, last), STEP, GROUP))
             out = _step(out, wb, sb, x_ptr + k_begin + (i + 1) * STEP, UNPACK, DT, H, XV)
             wb = gl.load(w_tile + gl.minimum(i + 3, last) * WORDS, eviction_policy="evict_first")
-            sb = gl.load(s_rows + gl.minimum(i + 3, last) * (STEP // GROUP))
+            sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 3, last), STEP, GROUP))
         if (last + 1) % 2 == 1:
             out = _step(out, wa, sa, x_ptr + k_begin + last * STEP, UNPACK, DT, H, XV)
         rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
@@ -229,16 +250,10 @@ if gluon is not None:
         return w_layout(half), x_layout(half)
 
 
-def _groups_fit(weight: QuantizedWeight, half: int) -> bool:
-    """A step's scales are indexed as one group a half or a step, or one for the whole row:
-    wider groups (512, or 384 across 256-column steps) go to int4_gemv."""
-    return (2 * half) % weight.group_size == 0 or weight.group_size == weight.shape[1]
-
-
 def serves(rows: int, dtype: torch.dtype, weight: QuantizedWeight, half: int) -> bool:
     """What the kernel computes, whatever the device: one row of bf16/fp16, chunks of 128 or 256
-    columns, groups ``_groups_fit`` takes."""
-    return rows == 1 and dtype in _UNPACK and half in HALVES and _groups_fit(weight, half)
+    columns, each half-chunk within one group (``pack_linear`` picks ``half`` dividing the group)."""
+    return rows == 1 and dtype in _UNPACK and half in HALVES and weight.group_size % half == 0
 
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight, half: int) -> bool:
