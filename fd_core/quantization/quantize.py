@@ -10,7 +10,6 @@ never the whole model in float.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from fd_core.errors import CheckpointError
+from fd_core.host import usable_cpus
 from fd_core.interfaces import FP8_BLOCK, QUANTIZATION_METHODS, QuantizedWeight
 from fd_core.quantization.host import HostWeight, as_float
 
@@ -29,7 +29,7 @@ ALIASES = {"fp8": "block_wise_fp8"}  # vLLM's spelling
 DEFAULT_GROUP_SIZE = {"wint8": -1, "wint4": 128, "block_wise_fp8": FP8_BLOCK}
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
 BAND_VALUES = 1 << 20  # values a quantizer takes at a time (by_row_bands)
-THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+THREADS = min(8, usable_cpus())
 T = TypeVar("T")
 
 

@@ -548,7 +548,7 @@ def test_kernels_launched_with_pdl_touch_nothing_before_waiting():
 
     from fd_backend_cuda import kernels
 
-    read_before_wait = {"_gemv_kernel": {"w_ptr"}, "_gemv_fp8_kernel": {"w_ptr"},
+    read_before_wait = {"_gemv_kernel": {"w_ptr"}, "_gemv_fp8_kernel": {"w_ptr"}, "_rms_norm_kernel": {"w_ptr"},
                         "_int4_row_kernel": {"w_ptr", "s_ptr", "z_ptr"},
                         # the step's metadata: written before the layers' kernels (attention.py)
                         "_attention_kernel": {"item_seq_ptr", "item_tok_ptr", "qsl_ptr", "seq_lens_ptr",

@@ -16,7 +16,6 @@ copies of those templates in turn.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -26,6 +25,7 @@ import numpy as np
 
 from fd_core.engine.structured.params import StructuredOutputsParams
 from fd_core.errors import InvalidRequestError
+from fd_core.host import usable_cpus
 from fd_core.interfaces import SamplingBatch
 from fd_core.interfaces.ops import token_bitmask_words
 
@@ -34,7 +34,7 @@ log = logging.getLogger("fd.engine")
 MAX_TEMPLATES = 256  # distinct grammars kept compiled
 # llguidance's pool: half the cores this process may run on, at most 8 (a 2-core machine fills
 # on one thread)
-POOL = max(1, min(8, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity") else 1))
+POOL = max(1, min(8, usable_cpus() // 2))
 
 
 class Grammar:

@@ -7,7 +7,9 @@ tensors (the inputs are not modified).
 Design: one program per row. Rows up to ``MAX_BLOCK`` wide are held in registers: one read of x
 (and residual), one write of y (and h). Wider rows loop over ``MAX_BLOCK`` chunks twice (sum of
 squares, then normalise), re-reading x and residual rather than the rounded h, so the result is
-the same as the single-block path.
+the same as the single-block path. A single-block program asks for the weight before the
+programmatic-launch wait (no kernel of a step writes it): the Llama-3-8B shape's bf16 batch-1
+token 4.047 -> 3.979 ms on an H200, 65 norms a token.
 """
 
 from __future__ import annotations
@@ -40,13 +42,16 @@ def _rms_norm_kernel(
     SINGLE: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    cols = tl.arange(0, BLOCK)
+    if SINGLE:  # no kernel of a step writes the weight: asked for before the wait, it is not
+        # one more round trip after the sum of squares
+        w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     y_row = y_ptr + row * y_stride
     res_row = res_ptr + row * res_stride
     h_row = h_ptr + row * h_stride
-    cols = tl.arange(0, BLOCK)
     if SINGLE:
         mask = cols < H
         h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -55,7 +60,6 @@ def _rms_norm_kernel(
             tl.store(h_row + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
         var = tl.sum(h * h, axis=0) / H
         rstd = 1.0 / tl.sqrt_rn(var + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_row + cols, (h * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
