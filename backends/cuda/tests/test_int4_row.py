@@ -56,7 +56,7 @@ def compile_ptx(half: int, dtype: torch.dtype, group: int, zeros: bool, split: b
     (128, torch.float16, 128, False, False, True, 90),
     (64, torch.bfloat16, 64, True, True, False, 90),
     (128, torch.bfloat16, 4096, True, False, False, 80),
-    (64, torch.float16, 384, False, False, True, 90),  # one group of a row spanning 384 columns
+    (64, torch.float16, 384, False, False, True, 90),  # groups not tiling a step: the scales' division
 ])
 def test_int4_row_compiles_to_tensor_cores_and_wide_loads(half, dtype, group, zeros, split, pdl, arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

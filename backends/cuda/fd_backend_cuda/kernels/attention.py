@@ -208,10 +208,13 @@ def _cache_scales(block_ptr, row, ok, num_kv_heads, HEAD_DIM: tl.constexpr, KV_B
 
 
 @triton.jit
-def _tile_blocks(bt_row, start, hi, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr):
-    """The cache blocks of keys ``start:start + BLOCK_N`` (0 past ``hi``)."""
+def _tile_blocks(bt_row, start, hi, BLOCK_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache blocks of keys ``start:start + BLOCK_N`` (0 past ``hi``; ``MASKED`` False: none
+    of them is)."""
     pos = start + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + pos // KV_BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    if MASKED:
+        return tl.load(bt_row + pos // KV_BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    return tl.load(bt_row + pos // KV_BLOCK_SIZE).to(tl.int64)
 
 
 @triton.jit
@@ -366,7 +369,7 @@ def _attention_kernel(
     if TABLES_AHEAD:
         # block tables are metadata too: each tile's block numbers are asked for a tile ahead
         # (the first before the wait), so a tile's chain of loads starts at its K and V
-        blocks = _tile_blocks(bt_row, lo, hi, BLOCK_N, KV_BLOCK_SIZE)
+        blocks = _tile_blocks(bt_row, lo, hi, BLOCK_N, KV_BLOCK_SIZE, True)
     pdl_start(PDL)
     q = tl.load(
         q_ptr + row_off[:, None] * q_sn + head[:, None] * q_sh + d[None, :],
@@ -391,18 +394,18 @@ def _attention_kernel(
         for start in range(lo, mid, BLOCK_N):
             if TABLES_AHEAD:
                 here = blocks
-                blocks = _tile_blocks(bt_row, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE)
+                blocks = _tile_blocks(bt_row, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE, True)
             else:
-                here = _tile_blocks(bt_row, start, hi, BLOCK_N, KV_BLOCK_SIZE)
+                here = _tile_blocks(bt_row, start, hi, BLOCK_N, KV_BLOCK_SIZE, False)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, qpos, d, d_ok, here, kc_ptr, vc_ptr,
                                          kc_head, vc_head, kvh, num_kv_heads, kc_ss, vc_ss, qk_scale, HEAD_DIM,
                                          BLOCK_N, KV_BLOCK_SIZE, DOT_F32, PRECISION, KV_QUANT, False, EVEN_D)
     for start in range(mid, hi, BLOCK_N):
         if TABLES_AHEAD:
             here = blocks
-            blocks = _tile_blocks(bt_row, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE)
+            blocks = _tile_blocks(bt_row, start + BLOCK_N, hi, BLOCK_N, KV_BLOCK_SIZE, True)
         else:
-            here = _tile_blocks(bt_row, start, hi, BLOCK_N, KV_BLOCK_SIZE)
+            here = _tile_blocks(bt_row, start, hi, BLOCK_N, KV_BLOCK_SIZE, True)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, qpos, d, d_ok, here, kc_ptr, vc_ptr, kc_head,
                                      vc_head, kvh, num_kv_heads, kc_ss, vc_ss, qk_scale, HEAD_DIM, BLOCK_N,
                                      KV_BLOCK_SIZE, DOT_F32, PRECISION, KV_QUANT, True, EVEN_D)
