@@ -347,6 +347,41 @@ def test_only_long_prefill_launches_take_the_unmasked_loop():
     assert [launch.split_mask for launch in plan_launches(short, 2, 2, 64, DEVICE)] == [False, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scenario,num_splits", [("long", None), ("mixed", None), ("long", 2)])
+def test_attention_programs_in_item_major_order(monkeypatch, dtype, scenario, num_splits):
+    """A prefill launch whose programs start item by item (grid ``(Hk, items, splits)``) gives
+    the specification's output; the short-query launch keeps its order."""
+    monkeypatch.setattr(attention, "_item_major", lambda keys, num_kv_heads, slots: True)
+    out, want, meta = run_attention(SCENARIOS[scenario], (4, 2), 32, 4, dtype, seed=19, num_splits=num_splits)
+    close(out, want, tol("attention", dtype))
+    assert [launch.item_major for launch in _launches(meta)] == [False, num_splits is None]  # decodes, prefills
+
+
+def _keys(prompts: list[tuple[int, int]], block_q: int) -> np.ndarray:
+    qlens = np.array([n for _, n in prompts])
+    ctx = np.array([c for c, _ in prompts])
+    return attention._items(qlens, ctx, ctx + qlens, np.arange(len(prompts)), block_q)[2]
+
+
+def test_item_major_where_a_kv_head_by_kv_head_launch_ends_on_a_long_tail():
+    """The launches measured on an H200 (docs/PERFORMANCE.md), with their programs a
+    multiprocessor held: item-major where it ended them sooner, not where L2 locality won."""
+    # one 4,096-token prompt, 32 / 8 heads (block_q 32), two programs an SM: 488 -> 409 us
+    assert attention._item_major(_keys([(0, 4096)], 32), 8, 2 * 132)
+    # a 2,048-token chunk over 6,144 cached, same heads: 733 -> 668 us
+    assert attention._item_major(_keys([(6144, 2048)], 32), 8, 2 * 132)
+    # head_dim 256, 8 / 8 heads (block_q 128), one program an SM: 312 -> 214 us
+    assert attention._item_major(_keys([(0, 4096)], 128), 8, 132)
+    # many waves: four 4,096-token prompts (1,631 -> 1,691 us), eight of 1,024 (293 -> 310 us)
+    assert not attention._item_major(_keys([(0, 4096)] * 4, 32), 8, 2 * 132)
+    assert not attention._item_major(_keys([(0, 1024)] * 8, 32), 8, 2 * 132)
+    # items of equal length: a 2,048-token chunk of 16 / 2 heads (380 -> 389 us)
+    assert not attention._item_major(_keys([(6144, 2048)], 16), 2, 2 * 132)
+    assert not attention._item_major(_keys([(0, 4096)], 32), 8, 4096)  # one wave
+    assert not attention._item_major(_keys([(0, 4096)], 128), 1, 132)  # one kv head
+
+
 def test_split_k_heuristic():
     assert _choose_splits(programs=8, max_keys=8192, num_sms=132) == 32
     assert _choose_splits(programs=64, max_keys=2048, num_sms=132) == 4  # 5 wanted: a power of two
