@@ -169,9 +169,9 @@ if gluon is not None:
         if corr is None:
             sz = rn_l[:, None] * stride_sn + (g0 + rg_l)[None, :]
             ok = ((g0 + rg_l) < g_end)[None, :]
-            corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0).to(gl.float32)
+            corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0)
             if HAS_ZEROS:
-                corr += gl.load(z_ptr + sz, mask=ok, other=0.0).to(gl.float32)
+                corr += gl.load(z_ptr + sz, mask=ok, other=0.0)
         rg = gl.arange(0, GC, layout=gl.SliceLayout(1, XL))
         rx = gl.arange(0, GP, layout=gl.SliceLayout(0, XL))  # GP: the group rounded up to a power of two
         ok = ((g0 + rg) < g_end)[:, None] & (rx < GROUP)[None, :]
@@ -204,14 +204,14 @@ if gluon is not None:
         # weights, scales and zeros only, before the wait: no kernel of a step writes them
         wa = gl.load(w_tile, eviction_policy="evict_first")
         wb = gl.load(w_tile + gl.minimum(1, last) * WORDS, eviction_policy="evict_first")
-        sa = gl.load(_scales_at(s_rows, s_cols, 0, STEP, GROUP)).to(gl.float32)
-        sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(1, last), STEP, GROUP)).to(gl.float32)
+        sa = gl.load(_scales_at(s_rows, s_cols, 0, STEP, GROUP))
+        sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(1, last), STEP, GROUP))
         rg_l = gl.arange(0, GC, layout=gl.SliceLayout(0, CL))
         sz = rn_l[:, None] * stride_sn + (g_begin + rg_l)[None, :]
         ok = ((g_begin + rg_l) < g_end)[None, :]
-        corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0).to(gl.float32)
+        corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0)
         if HAS_ZEROS:
-            corr += gl.load(z_ptr + sz, mask=ok, other=0.0).to(gl.float32)
+            corr += gl.load(z_ptr + sz, mask=ok, other=0.0)
         pdl_start(PDL)
         # the dot's values are MAGIC + q: x . (q s + z) = dot s + sum(x) (z - MAGIC s), by group
         term = _correction(x_ptr, s_ptr, z_ptr, rn_l, g_begin, g_end, stride_sn, MAGIC, HAS_ZEROS, GROUP, GP, GC, corr)
@@ -222,10 +222,10 @@ if gluon is not None:
         for i in range(0, last, 2):
             out = _step(out, wa, sa, x_ptr + k_begin + i * STEP, UNPACK, DT, H, XV)
             wa = gl.load(w_tile + gl.minimum(i + 2, last) * WORDS, eviction_policy="evict_first")
-            sa = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 2, last), STEP, GROUP)).to(gl.float32)
+            sa = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 2, last), STEP, GROUP))
             out = _step(out, wb, sb, x_ptr + k_begin + (i + 1) * STEP, UNPACK, DT, H, XV)
             wb = gl.load(w_tile + gl.minimum(i + 3, last) * WORDS, eviction_policy="evict_first")
-            sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 3, last), STEP, GROUP)).to(gl.float32)
+            sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 3, last), STEP, GROUP))
         if (last + 1) % 2 == 1:
             out = _step(out, wa, sa, x_ptr + k_begin + last * STEP, UNPACK, DT, H, XV)
         rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
