@@ -350,12 +350,14 @@ def test_only_long_prefill_launches_take_the_unmasked_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("scenario,num_splits", [("long", None), ("mixed", None), ("long", 2)])
 def test_attention_programs_in_item_major_order(monkeypatch, dtype, scenario, num_splits):
-    """A prefill launch whose programs start item by item (grid ``(Hk, items, splits)``) gives
-    the specification's output; the short-query launch keeps its order."""
+    """A prefill launch whose programs start item by item (grid ``(Hk, items, splits)``), with
+    split-K too, gives the specification's output; the short-query launch keeps its order."""
     monkeypatch.setattr(attention, "_item_major", lambda keys, num_kv_heads, slots: True)
     out, want, meta = run_attention(SCENARIOS[scenario], (4, 2), 32, 4, dtype, seed=19, num_splits=num_splits)
     close(out, want, tol("attention", dtype))
-    assert [launch.item_major for launch in _launches(meta)] == [False, num_splits is None]  # decodes, prefills
+    launches = _launches(meta)
+    assert [launch.item_major for launch in launches] == [False, True]  # decodes, prefills
+    assert launches[1].num_splits == (num_splits or 1)
 
 
 def _keys(prompts: list[tuple[int, int]], block_q: int) -> np.ndarray:
@@ -380,6 +382,45 @@ def test_item_major_where_a_kv_head_by_kv_head_launch_ends_on_a_long_tail():
     assert not attention._item_major(_keys([(6144, 2048)], 16), 2, 2 * 132)
     assert not attention._item_major(_keys([(0, 4096)], 32), 8, 4096)  # one wave
     assert not attention._item_major(_keys([(0, 4096)], 128), 1, 132)  # one kv head
+
+
+def test_item_major_planner_reads_the_tile_residency(monkeypatch):
+    """The planner simulates ``SMs x programs an SM holds`` slots: the recorded figure of the
+    prefill tile, else ``DEFAULT_RESIDENT``, and marks a launch of an unrecorded tile to record
+    it; the short-query launch is not simulated."""
+    asked = []
+    monkeypatch.setattr(attention, "_item_major", lambda keys, num_kv_heads, slots: asked.append(slots) or False)
+    monkeypatch.setattr(attention, "_RESIDENT", {})
+    seqs = [(0, 1), (0, 2 * 64)]
+    small, big = plan_launches(make_batch(seqs, 16, 40, 0), 2, 2, 64, DEVICE)
+    key = attention._tile_key(DEVICE, attention._tiles(2, 64, False)[1], 64)
+    sms = attention.sm_count(DEVICE)
+    assert asked == [sms * attention.DEFAULT_RESIDENT] and big.resident_key == key and small.resident_key is None
+    attention._RESIDENT[key] = 5
+    small, big = plan_launches(make_batch(seqs, 16, 40, 0), 2, 2, 64, DEVICE)
+    assert asked[1:] == [sms * 5] and big.resident_key is None
+
+
+def test_resident_programs_takes_the_tightest_limit(monkeypatch):
+    from types import SimpleNamespace
+
+    from fd_backend_cuda.kernels import _common
+
+    props = SimpleNamespace(shared_memory_per_multiprocessor=233472, regs_per_multiprocessor=65536,
+                            max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    cuda = torch.device("cuda", 0)
+
+    def compiled(shared, regs, warps):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared, num_warps=warps))
+
+    assert _common.resident_programs(cuda, compiled(98304, 128, 4)) == 2  # shared memory: 2 x 97 KiB
+    assert _common.resident_programs(cuda, compiled(16384, 168, 4)) == 3  # registers: 65536 // (168 x 128)
+    assert _common.resident_programs(cuda, compiled(0, 32, 8)) == 8  # threads: 2048 // 256
+    assert _common.resident_programs(cuda, compiled(200000, 32, 4)) == 1  # at least one
+    assert _common.resident_programs(torch.device("cpu"), compiled(0, 32, 4)) is None
+    del props.shared_memory_per_multiprocessor  # a torch that does not report it
+    assert _common.resident_programs(cuda, compiled(0, 32, 4)) is None
 
 
 def test_split_k_heuristic():

@@ -7,8 +7,8 @@ so the discovery path every vendor relies on is exercised by the default install
 from __future__ import annotations
 
 import dataclasses
-import os
 
+from fd_core.host import usable_cpus
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 from fd_core.plugins.registry import runtime_installed
@@ -60,7 +60,7 @@ class CpuPlatform:
 
     def device_count(self) -> int:
         # a "device" is a process on this host: tensor parallelism runs one per rank (gloo)
-        return os.cpu_count() or 1
+        return usable_cpus()
 
     def capabilities(self) -> Capabilities:
         caps = reference_capabilities(HOST_DTYPES[self.runtime], collective_library="gloo",
@@ -100,7 +100,7 @@ class CpuPlatform:
         return None
 
     def describe_devices(self) -> list[str]:
-        return [f"cpu ({os.cpu_count()} cores)"]
+        return [f"cpu ({usable_cpus()} cores)"]
 
 
 @hookimpl

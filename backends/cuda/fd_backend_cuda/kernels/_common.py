@@ -36,16 +36,19 @@ def sm_count(device: torch.device, otherwise: int = 1) -> int:
 def resident_programs(device: torch.device, compiled) -> int | None:
     """How many programs of a compiled Triton kernel one multiprocessor of ``device`` holds at
     once (threads, registers and shared memory; None where the launch returned no compiled
-    kernel, as in the interpreter). Launch planners use it to predict waves."""
+    kernel, as in the interpreter, or torch does not report the multiprocessor's shared memory).
+    Launch planners use it to predict waves."""
     n_regs = getattr(compiled, "n_regs", None)
     if device.type != "cuda" or not n_regs:
         return None
     props = torch.cuda.get_device_properties(device_index(device))
+    smem = getattr(props, "shared_memory_per_multiprocessor", None)
+    if smem is None:
+        return None
     threads = 32 * compiled.metadata.num_warps
-    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
     by_smem = smem // (compiled.metadata.shared + 1024)  # the driver reserves 1 KiB a block
-    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (n_regs * threads)
-    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    by_regs = props.regs_per_multiprocessor // (n_regs * threads)
+    by_threads = props.max_threads_per_multi_processor // threads
     return max(1, min(by_smem, by_regs, by_threads))
 
 

@@ -510,6 +510,7 @@ class Launch:
     split_mask: bool = False  # the unmasked loop below the diagonal (SPLIT_MASK_KEYS)
     tables_ahead: bool = False  # block-table entries a tile ahead (not in the prefill launch: see _tiles)
     item_major: bool = False  # programs in launch order item by item, not kv head by kv head
+    resident_key: tuple | None = None  # a prefill tile whose residency its launch is to record (_RESIDENT)
     # split-K's partial (m, l, acc) and arrival counts, made by the first call
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
 
@@ -587,9 +588,12 @@ def _item_major(keys: np.ndarray, num_kv_heads: int, slots: int) -> bool:
                                                                                           slots)
 
 
-# Programs an SM held of each prefill tile shape, seen at its first launch (``resident_programs``);
-# until then the planner assumes 2.
+# Programs an SM held of each prefill tile shape, read from the kernel compiled for its first
+# launch (``resident_programs``; the start-up warm-up makes it; later variants of the shape, other
+# dtypes or masks, are taken to hold as many). Until then the planner assumes DEFAULT_RESIDENT,
+# what the 128 x 64 tiles of head_dim 64 and 128 held on an H200.
 _RESIDENT: dict[tuple, int] = {}
+DEFAULT_RESIDENT = 2
 
 
 def _tile_key(device: torch.device, tile: dict, head_dim: int) -> tuple:
@@ -696,8 +700,13 @@ def plan_launches(
         splits = num_splits or _choose_splits(
             len(item_seq) * num_kv_heads, int(keys.max()), num_sms
         )
-        slots = num_sms * _RESIDENT.get(_tile_key(device, tile, head_dim), 2)
-        item_major = prefill and splits == 1 and _item_major(keys, num_kv_heads, slots)
+        resident_key = None
+        item_major = False
+        if prefill:
+            tile_key = _tile_key(device, tile, head_dim)
+            resident = _RESIDENT.get(tile_key)
+            resident_key = tile_key if resident is None else None
+            item_major = _item_major(keys, num_kv_heads, num_sms * (resident or DEFAULT_RESIDENT))
         launches.append(
             Launch(
                 item_seq=_upload(item_seq, np.int32, device),
@@ -706,6 +715,7 @@ def plan_launches(
                 num_splits=int(splits),
                 split_mask=prefill and int(keys.max()) >= SPLIT_MASK_KEYS,
                 item_major=item_major,
+                resident_key=resident_key,
                 **tile,
             )
         )
@@ -1029,12 +1039,10 @@ def paged_attention(
             num_stages=launch.num_stages,
             **pdl(device),
         )
-        if not launch.tables_ahead:  # a prefill tile: how many of its programs an SM holds
-            key = _tile_key(device, vars(launch), head_dim)
-            if key not in _RESIDENT:
-                resident = resident_programs(device, compiled)
-                if resident is not None:
-                    _RESIDENT[key] = resident
+        if launch.resident_key is not None and launch.resident_key not in _RESIDENT:
+            resident = resident_programs(device, compiled)
+            if resident is not None:
+                _RESIDENT[launch.resident_key] = resident
     return out
 
 
