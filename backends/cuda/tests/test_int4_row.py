@@ -24,7 +24,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from fd_backend_cuda.kernels import int4_gemv, int4_row  # noqa: E402
 
-SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": "*bf16",
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*bf16",
              "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "K_SPLIT_WORDS": "i32",
              "stride_wn": "i32", "stride_sn": "i32"}
 

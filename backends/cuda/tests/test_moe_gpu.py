@@ -7,6 +7,7 @@ from transformers' float32 ones than transformers' own bfloat16 forward's (times
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -127,8 +128,8 @@ LAYERS = 3  # one dense layer, then two sparse ones (64 experts, top-6, two shar
 def ernie_21b(tmp_path_factory):
     """``(plain, dequantized)``: the random checkpoint (bfloat16), and the same with every decoder
     linear replaced by its wint4 quantization (fd's --quantization wint4, group 128, zero
-    points) dequantized, in float32: the model fd runs with --quantization wint4, as
-    transformers can run it."""
+    points; scales and zeros in bfloat16, as cuda's ``pack_linear`` keeps them) dequantized, in
+    float32: the model fd runs with --quantization wint4, as transformers can run it."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     import shutil
@@ -149,7 +150,10 @@ def ernie_21b(tmp_path_factory):
     quantize = LoadQuantization("wint4", 128)
     for name, value in tensors.items():
         if name.endswith("_proj.weight"):
-            tensors[name] = dequantize(quantize(name, value))
+            q = quantize(name, value)
+            rounded = [None if t is None else torch.from_numpy(t).to(torch.bfloat16).float().numpy()
+                       for t in (q.scales, q.zeros)]
+            tensors[name] = dequantize(dataclasses.replace(q, scales=rounded[0], zeros=rounded[1]))
     save_file(tensors, str(dequantized / "model.safetensors"))
     return plain, dequantized
 

@@ -108,13 +108,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, 
         start = b0 + col_half * H
         j_ok = (start < k_end) & col_ok
         g = (b0 // H + col_half) // HALVES
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0).to(tl.float32)
         xs = tl.sum(tl.load(x_cols[:, None] + start[:, None] + tl.arange(0, H)[None, :], mask=j_ok[:, None],
                             other=0.0).to(tl.float32), axis=1)
         # x . (q s + z) with the dot's values MAGIC + q + 8: dot s - (MAGIC + 8) s sum(x) + z sum(x)
         corr = MAGIC_OFFSET * s
         if HAS_ZEROS:
-            corr -= tl.load(z_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :], other=0.0)
+            corr -= tl.load(z_ptr + rows[:, None] * stride_sn + g[None, :], mask=j_ok[None, :],
+                            other=0.0).to(tl.float32)
         out += tl.sum(tl.reshape(acc * s - corr * xs[None, :], (BLOCK_N, ROWS, G)), axis=2)
     rm = tl.arange(0, ROWS)
     ok = n_ok[:, None] & (rm < M)[None, :]

@@ -16,9 +16,10 @@ Llama-3-8B shapes stream at 2.1-2.3 TB/s on an H200. Here (``benchmarks/bench_in
   the top of the half, and x is loaded in that same order (``_x_half``), so that an
   instruction's two B registers are adjacent in x and come from one 16-byte load without moves
   (an MMA sums over k: any order shared by both operands gives the same sum).
-- Scales multiply each step's two per-half sums in float32 (one group a half: ``half``
-  divides the group); zeros and the magic offset are one correction a row, ``sum over groups
-  of (z - offset * s) * sum(x over the group)``, computed before the first step.
+- Scales (bfloat16, as ``pack_linear`` keeps them) multiply each step's two per-half sums in
+  float32 (one group a half: ``half`` divides the group); zeros and the magic offset are one
+  correction a row, ``sum over groups of (z - offset * s) * sum(x over the group)``, computed
+  before the first step.
 - Weights, scales and zeros are never written by a step, so the first two steps' tiles, their
   scales and the correction's scales and zeros are asked for before the programmatic-launch
   wait; afterwards the weights stay two steps ahead (a pair of steps a trip, so no tile moves
@@ -169,9 +170,9 @@ if gluon is not None:
         if corr is None:
             sz = rn_l[:, None] * stride_sn + (g0 + rg_l)[None, :]
             ok = ((g0 + rg_l) < g_end)[None, :]
-            corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0)
+            corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0).to(gl.float32)
             if HAS_ZEROS:
-                corr += gl.load(z_ptr + sz, mask=ok, other=0.0)
+                corr += gl.load(z_ptr + sz, mask=ok, other=0.0).to(gl.float32)
         rg = gl.arange(0, GC, layout=gl.SliceLayout(1, XL))
         rx = gl.arange(0, GP, layout=gl.SliceLayout(0, XL))  # GP: the group rounded up to a power of two
         ok = ((g0 + rg) < g_end)[:, None] & (rx < GROUP)[None, :]
@@ -204,14 +205,14 @@ if gluon is not None:
         # weights, scales and zeros only, before the wait: no kernel of a step writes them
         wa = gl.load(w_tile, eviction_policy="evict_first")
         wb = gl.load(w_tile + gl.minimum(1, last) * WORDS, eviction_policy="evict_first")
-        sa = gl.load(_scales_at(s_rows, s_cols, 0, STEP, GROUP))
-        sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(1, last), STEP, GROUP))
+        sa = gl.load(_scales_at(s_rows, s_cols, 0, STEP, GROUP)).to(gl.float32)
+        sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(1, last), STEP, GROUP)).to(gl.float32)
         rg_l = gl.arange(0, GC, layout=gl.SliceLayout(0, CL))
         sz = rn_l[:, None] * stride_sn + (g_begin + rg_l)[None, :]
         ok = ((g_begin + rg_l) < g_end)[None, :]
-        corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0)
+        corr = -MAGIC * gl.load(s_ptr + sz, mask=ok, other=0.0).to(gl.float32)
         if HAS_ZEROS:
-            corr += gl.load(z_ptr + sz, mask=ok, other=0.0)
+            corr += gl.load(z_ptr + sz, mask=ok, other=0.0).to(gl.float32)
         pdl_start(PDL)
         # the dot's values are MAGIC + q: x . (q s + z) = dot s + sum(x) (z - MAGIC s), by group
         term = _correction(x_ptr, s_ptr, z_ptr, rn_l, g_begin, g_end, stride_sn, MAGIC, HAS_ZEROS, GROUP, GP, GC, corr)
@@ -222,10 +223,10 @@ if gluon is not None:
         for i in range(0, last, 2):
             out = _step(out, wa, sa, x_ptr + k_begin + i * STEP, UNPACK, DT, H, XV)
             wa = gl.load(w_tile + gl.minimum(i + 2, last) * WORDS, eviction_policy="evict_first")
-            sa = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 2, last), STEP, GROUP))
+            sa = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 2, last), STEP, GROUP)).to(gl.float32)
             out = _step(out, wb, sb, x_ptr + k_begin + (i + 1) * STEP, UNPACK, DT, H, XV)
             wb = gl.load(w_tile + gl.minimum(i + 3, last) * WORDS, eviction_policy="evict_first")
-            sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 3, last), STEP, GROUP))
+            sb = gl.load(_scales_at(s_rows, s_cols, gl.minimum(i + 3, last), STEP, GROUP)).to(gl.float32)
         if (last + 1) % 2 == 1:
             out = _step(out, wa, sa, x_ptr + k_begin + last * STEP, UNPACK, DT, H, XV)
         rn_c = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))

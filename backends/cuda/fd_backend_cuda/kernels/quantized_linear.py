@@ -68,8 +68,8 @@ def weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP,
         r_low = k0 + tl.arange(0, BLOCK_K // 2)
         x_low = tl.load(x_rows + r_low[None, :], mask=m_ok[:, None], other=0.0)
         x_high = tl.load(x_rows + BLOCK_K // 2 + r_low[None, :], mask=m_ok[:, None], other=0.0)
-        s_low = tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)
-        s_high = tl.load(s_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)
+        s_low = tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        s_high = tl.load(s_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0).to(tl.float32)
         if x_dtype == tl.float32:
             # exact float32 (the oracle's dtype): the magic offset below would cancel away
             # float32 operands' low bits, so the values are converted outright
@@ -94,8 +94,9 @@ def weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP,
             acc += (tl.dot(x_low, tl.trans(low)) - MAGIC_OFFSET * sum_low) * s_low[None, :]
             acc += (tl.dot(x_high, tl.trans(high)) - MAGIC_OFFSET * sum_high) * s_high[None, :]
         if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over each group's columns
-            acc += sum_low * tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
-            acc += sum_high * tl.load(z_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok, other=0.0)[None, :]
+            acc += sum_low * tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc += sum_high * tl.load(z_rows + (k0 + BLOCK_K // 2) // GROUP, mask=n_ok,
+                                     other=0.0).to(tl.float32)[None, :]
     else:
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -108,9 +109,9 @@ def weight_dot(acc, x_rows, m_ok, w_rows, n_ok, s_rows, z_rows, k0, K, GROUP,
             acc += part
         else:
             # one scale per group (fp8: per 128 x 128 block, GROUP being 128)
-            acc += part * tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0)[None, :]
+            acc += part * tl.load(s_rows + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if HAS_ZEROS:  # x . (q s + z) = (x . q) s + (sum x) z over the group's columns
-                z = tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0)
+                z = tl.load(z_rows + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
     return acc
 
@@ -174,9 +175,9 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, GROUP, stride_wn, strid
         for half in tl.static_range(2):
             c0 = tl.program_id(1) * BLOCK_K + half * (BLOCK_K // 2)  # each half lies in one group
             w = (((byte >> (4 * half)) & 0xF).to(tl.int8) - 8).to(tl.float32)
-            w = w * tl.load(s_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0)
+            w = w * tl.load(s_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZEROS:
-                w += tl.load(z_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0)
+                w += tl.load(z_ptr + rows * stride_sn + c0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
             rk = r_low + half * (BLOCK_K // 2)
             tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty), mask=n_ok)
     else:
@@ -188,10 +189,10 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, GROUP, stride_wn, strid
             s = tl.load(s_ptr + (rn // 128).to(tl.int64)[:, None] * stride_sn + (rk // 128)[None, :], mask=ok,
                         other=0.0)
         else:
-            s = tl.load(s_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0)
+            s = tl.load(s_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
         w = q.to(tl.float32) * s
         if HAS_ZEROS:
-            w += tl.load(z_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0)
+            w += tl.load(z_ptr + rows * stride_sn + (rk // GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
         tl.store(o_ptr + rows * K + rk[None, :], w.to(o_ptr.dtype.element_ty), mask=ok)
 
 
@@ -236,8 +237,12 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
         packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
         if packed.is_cuda:
             int4_gemv.reserve(packed.device, out_features)
-        return QuantizedWeight("wint4", packed, weight.scales.float().contiguous(), group, weight.shape,
-                               None if weight.zeros is None else weight.zeros.float().contiguous(), "cuda_w4")
+        # scales and zeros in bfloat16, as the contract allows a quantized linear (spec's
+        # QUANTIZED_LINEAR_TOLERANCE): at group 128 float32 ones were 1/8 of the bytes a one-row
+        # decode streams; the kernels apply them in float32
+        return QuantizedWeight("wint4", packed, weight.scales.to(torch.bfloat16).contiguous(), group, weight.shape,
+                               None if weight.zeros is None else weight.zeros.to(torch.bfloat16).contiguous(),
+                               "cuda_w4")
     if weight.method == "wint8" and step is not None:
         return QuantizedWeight("wint8", weight.qweight.contiguous(), weight.scales.float().contiguous(), group,
                                weight.shape, None if weight.zeros is None else weight.zeros.float().contiguous(),
