@@ -20,7 +20,9 @@ FD_API_VERSION = "1.11"  # the reference sample adds logit biases (1.11) and app
 class CpuPlatform:
     """The host's cores. Runs on Paddle (the default) or on PyTorch's CPU build
     (``with_runtime("torch")``): Memory, Communicator (gloo either way) and dtypes follow the
-    runtime; the op implementations are that runtime's reference ops."""
+    runtime; the op implementations are that runtime's reference ops, but for a plain
+    ``linear`` of a few rows and a large weight (``few_rows.py``) and, on torch, wint8/wint4
+    weights (``torch_quantized.py``)."""
 
     name = "cpu"
     device_type = "cpu"
@@ -129,8 +131,13 @@ def fd_register_ops(registry):
     # wint8/wint4 weights on torch: PyTorch's packed CPU kernels (torch_quantized.py); Paddle has
     # no CPU kernel that reads integer weights, so there the weights are dequantized at load
     for op in ("linear", "pack_linear"):
-        registry.register(op, "cpu", _torch_quantized(op), name="torch-packed", priority=10,
+        registry.register(op, "cpu", _lazy("torch_quantized", op), name="torch-packed", priority=10,
                           supports=_quantized_methods, runtime="torch")
+    # plain weights: the product of a few rows and a large weight taken weight-major (few_rows.py),
+    # on either runtime; anything else goes on to the runtime's reference linear
+    for runtime in CpuPlatform.runtimes:
+        registry.register("linear", "cpu", _lazy("few_rows", f"linear_{runtime}"), name="few-rows", priority=10,
+                          supports=_plain, runtime=runtime)
 
 
 TORCH_QUANTIZATION = frozenset({"wint8", "wint4"})
@@ -144,16 +151,24 @@ def _quantized_methods(quantization: str | None = None, **_: object) -> bool:
 _quantized_methods.why = lambda **_: "it serves wint8 and wint4 weights only"  # type: ignore[attr-defined]
 
 
-def _torch_quantized(name: str):
-    """``torch_quantized.<name>``, imported at its first call (registration imports no torch)."""
+def _plain(quantization: str | None = None, **_: object) -> bool:
+    return quantization is None
+
+
+_plain.why = lambda **_: "it serves plain weights only"  # type: ignore[attr-defined]
+
+
+def _lazy(module: str, name: str):
+    """``<module>.<name>`` of this package, imported at its first call (registration imports
+    neither runtime)."""
     fn = None
 
     def call(*args, **kwargs):
         nonlocal fn
         if fn is None:
-            from fd_core.backends.cpu import torch_quantized
+            import importlib
 
-            fn = getattr(torch_quantized, name)
+            fn = getattr(importlib.import_module(f"fd_core.backends.cpu.{module}"), name)
         return fn(*args, **kwargs)
 
     return call
