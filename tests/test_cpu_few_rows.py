@@ -23,8 +23,11 @@ def _runtime(name: str):
 
 
 def test_the_rule():
-    assert few_rows.weight_major(1, OUT, IN, True) and few_rows.weight_major(few_rows.ROWS, OUT, IN, True)
-    assert not few_rows.weight_major(few_rows.ROWS + 1, OUT, IN, True)
+    assert few_rows.weight_major(1, OUT, IN, True) and few_rows.weight_major(few_rows.WIDE_ROWS, OUT, IN, True)
+    assert not few_rows.weight_major(few_rows.WIDE_ROWS + 1, OUT, IN, True)
+    # a weight without many more outputs than inputs: only up to ROWS rows
+    assert few_rows.weight_major(few_rows.ROWS, 4096, 4096, True)
+    assert not few_rows.weight_major(few_rows.ROWS + 1, 4096, 4096, True)
     assert not few_rows.weight_major(1, 1536, 576, True)  # fits the caches: x @ w.T is as fast
     assert not few_rows.weight_major(1, OUT, IN, False)  # 16-bit dtypes: not measured
     assert not few_rows.weight_major(0, OUT, IN, True)
@@ -42,15 +45,15 @@ def test_few_rows_give_the_product_without_the_reference(runtime, monkeypatch):
     calls = []
     real = reference.linear
     monkeypatch.setattr(reference, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    for shape in [(1, IN), (2, IN), (3, IN), (4, IN), (1, 1, IN), (5, IN)]:
+    for shape in [(1, IN), (2, IN), (4, IN), (7, IN), (10, IN), (1, 1, IN), (11, IN)]:
         x = rng.standard_normal(shape).astype(np.float32)
         want = x.astype(np.float64) @ w.T.astype(np.float64) + b
         for bias in (None, b):
             got = host(linear(tensor(x), tensor(w), None if bias is None else tensor(bias)))
             assert got.shape == shape[:-1] + (OUT,) and got.dtype == np.float32
             np.testing.assert_allclose(got, want if bias is not None else want - b, rtol=0, atol=2e-5)
-    # only the five-row product went to the reference (twice: with and without the bias)
-    assert [tuple(s) for s in calls] == [(5, IN), (5, IN)]
+    # only the eleven-row product went to the reference (twice: with and without the bias)
+    assert [tuple(s) for s in calls] == [(11, IN), (11, IN)]
 
 
 @pytest.mark.parametrize("runtime", ["torch", "paddle"])
