@@ -37,7 +37,7 @@ def fd(*args: str, code: str | None = None, timeout: int = 180) -> subprocess.Co
 # -- op registration and selection ---------------------------------------------------------------
 
 
-def test_cpu_op_table_on_torch_is_all_torch_references_without_fallback_warnings(caplog):
+def test_cpu_op_table_on_torch_is_the_torch_references_and_few_rows_without_fallback_warnings(caplog):
     registry = get_registry()
     platform = registry.platform("cpu", "torch")
     with caplog.at_level("WARNING", logger="fd.ops"):

@@ -111,3 +111,26 @@ def test_split_k_plans():
             assert tiles * splits // 2 < 2 * 132  # no split beyond two programs per SM
     assert int4_gemv.split_k(28672, 4096, 256, 132, 2) == ((448, 1), 4096)  # enough programs already
     assert int4_gemv.split_k(4096, 4096, 256, 132, 2) == ((64, 8), 512)  # two steps a program
+
+
+def test_packed_scales_are_the_kept_ones():
+    """``pack_linear``'s cuda_w4 scales and zeros are exactly ``kept``'s rounding, the form the MoE
+    and model tests build their exact references from (no GPU: packing runs on any tensor)."""
+    import dataclasses
+
+    import numpy as np
+    from fd_core.quantization.quantize import quantize
+
+    from fd_backend_cuda.kernels.quantized_linear import W4_SCALES, kept, pack_linear
+
+    w = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    canonical = quantize(w, "wint4", 128, zeros=True)
+    host = kept(canonical)  # NumPy fields, as the loaders hold them
+    as_torch = dataclasses.replace(canonical, qweight=torch.from_numpy(canonical.qweight),
+                                   scales=torch.from_numpy(canonical.scales), zeros=torch.from_numpy(canonical.zeros))
+    packed = pack_linear(as_torch)
+    assert packed.layout == "cuda_w4" and packed.scales.dtype == packed.zeros.dtype == W4_SCALES
+    for got, want in ((packed.scales, host.scales), (packed.zeros, host.zeros)):
+        np.testing.assert_array_equal(got.float().numpy(), want)
+    np.testing.assert_array_equal(kept(as_torch).scales.numpy(), host.scales)  # torch fields the same
+    assert not np.array_equal(host.scales, canonical.scales)  # the rounding happened

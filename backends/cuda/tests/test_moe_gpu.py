@@ -7,7 +7,6 @@ from transformers' float32 ones than transformers' own bfloat16 forward's (times
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import numpy as np
@@ -136,6 +135,7 @@ def ernie_21b(tmp_path_factory):
 
     from fd_core.quantization.host import dequantize
     from fd_core.quantization.quantize import LoadQuantization
+    from fd_backend_cuda.kernels.quantized_linear import kept
     from safetensors.numpy import save_file
     from safetensors.torch import load_file
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
@@ -150,10 +150,7 @@ def ernie_21b(tmp_path_factory):
     quantize = LoadQuantization("wint4", 128)
     for name, value in tensors.items():
         if name.endswith("_proj.weight"):
-            q = quantize(name, value)
-            rounded = [None if t is None else torch.from_numpy(t).to(torch.bfloat16).float().numpy()
-                       for t in (q.scales, q.zeros)]
-            tensors[name] = dequantize(dataclasses.replace(q, scales=rounded[0], zeros=rounded[1]))
+            tensors[name] = dequantize(kept(quantize(name, value)))
     save_file(tensors, str(dequantized / "model.safetensors"))
     return plain, dequantized
 

@@ -6,8 +6,6 @@ graph with other inputs and other routing."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -22,7 +20,8 @@ from fd_core.quantization.quantize import quantize
 from fd_core.runtimes.torch import ops as reference
 from fd_core.runtimes.torch.memory import TorchMemory
 
-from fd_backend_cuda.kernels import moe as fused
+from fd_backend_cuda.kernels import moe as fused  # noqa: E402
+from fd_backend_cuda.kernels.quantized_linear import kept  # noqa: E402
 
 # (relative) error allowed against the reference run in float32 on the same weights
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
@@ -43,15 +42,6 @@ def _experts(e: int, hidden: int, inter: int, dtype, method: str | None, seed: i
     return [_quantized(w, method, group) for w in gate_up], [_quantized(w, method, group) for w in down]
 
 
-def _as_packed(w):
-    """``w`` as ``pack_linear`` keeps it (``cuda_w4``: wint4's scales and zeros in bfloat16), so
-    that float32 activations still have an exact reference."""
-    if not isinstance(w, QuantizedWeight) or w.method != "wint4":
-        return w
-    rounded = [None if t is None else t.to(torch.bfloat16).float() for t in (w.scales, w.zeros)]
-    return dataclasses.replace(w, scales=rounded[0], zeros=rounded[1])
-
-
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
 
@@ -65,8 +55,8 @@ def _case(n, e, hidden, inter, top_k, dtype, method, scoring="softmax", bias=Fal
     first, count = share or (0, e)
     gate_up, down = gate_up[first:first + count], down[first:first + count]
     extra = {"expert_offset": first} if share else {}
-    ref_up = [_as_packed(w) if isinstance(w, QuantizedWeight) else w.float() for w in gate_up]
-    ref_down = [_as_packed(w) if isinstance(w, QuantizedWeight) else w.float() for w in down]
+    ref_up = [kept(w) if isinstance(w, QuantizedWeight) else w.float() for w in gate_up]
+    ref_down = [kept(w) if isinstance(w, QuantizedWeight) else w.float() for w in down]
     want = reference.moe(x.float(), router, ref_up, ref_down, top_k, scoring, True, correction, **extra)
     packed = fused.pack_experts(gate_up, down)
     assert not isinstance(packed[0], list), "pack_experts kept the lists: the kernel would not run"

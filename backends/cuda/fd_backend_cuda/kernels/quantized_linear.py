@@ -29,6 +29,8 @@ four rows (or where Gluon is missing) to ``int4_gemv.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -227,6 +229,29 @@ def _int4_chunk(group: int, in_features: int) -> int | None:
     return None
 
 
+# cuda_w4 keeps wint4's scales and zeros in bfloat16, as the contract allows a quantized linear
+# (spec's QUANTIZED_LINEAR_TOLERANCE): at group 128 float32 ones were 1/8 of the bytes a one-row
+# decode streams (8B shape, H200: 2.358 -> 2.236 ms a token); the kernels apply them in float32
+W4_SCALES = torch.bfloat16
+
+
+def kept(weight: QuantizedWeight) -> QuantizedWeight:
+    """``weight`` (canonical; torch or NumPy fields) with its scales and zeros rounded as
+    ``pack_linear`` keeps them, still canonical: the weight the kernels compute with, for an
+    exact reference."""
+    if weight.method != "wint4":
+        return weight
+
+    def rounded(t):
+        if t is None:
+            return None
+        if isinstance(t, torch.Tensor):
+            return t.to(W4_SCALES).to(t.dtype)
+        return torch.from_numpy(t).to(W4_SCALES).to(torch.float32).numpy().astype(t.dtype)
+
+    return dataclasses.replace(weight, scales=rounded(weight.scales), zeros=rounded(weight.zeros))
+
+
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
     out_features, in_features = weight.shape
     group = in_features if weight.group_size == -1 else weight.group_size
@@ -237,12 +262,8 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
         packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
         if packed.is_cuda:
             int4_gemv.reserve(packed.device, out_features)
-        # scales and zeros in bfloat16, as the contract allows a quantized linear (spec's
-        # QUANTIZED_LINEAR_TOLERANCE): at group 128 float32 ones were 1/8 of the bytes a one-row
-        # decode streams; the kernels apply them in float32
-        return QuantizedWeight("wint4", packed, weight.scales.to(torch.bfloat16).contiguous(), group, weight.shape,
-                               None if weight.zeros is None else weight.zeros.to(torch.bfloat16).contiguous(),
-                               "cuda_w4")
+        return QuantizedWeight("wint4", packed, weight.scales.to(W4_SCALES).contiguous(), group, weight.shape,
+                               None if weight.zeros is None else weight.zeros.to(W4_SCALES).contiguous(), "cuda_w4")
     if weight.method == "wint8" and step is not None:
         return QuantizedWeight("wint8", weight.qweight.contiguous(), weight.scales.float().contiguous(), group,
                                weight.shape, None if weight.zeros is None else weight.zeros.float().contiguous(),
