@@ -110,6 +110,51 @@ def test_catching_up_on_unread_tokens_equals_token_by_token(model_dir):
     assert [streamed[str(i)] for i in range(3)] == texts
 
 
+def test_catching_up_many_sequences_at_once_equals_one_by_one(model_dir):
+    """``catch_up_all`` (what the output processor runs on a step's sequences) leaves every
+    state as ``catch_up`` on each would: cuts inside a character, special tokens skipped or
+    kept, a state listed twice, one with nothing unread; and it decodes them in one batch call
+    a ``skip_special_tokens`` value, however many sequences there are."""
+    llm = LLM(model=str(model_dir), max_model_len=128, num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    ids = tok.encode("naïve café 東京 🎉 — ok\n  done 🎉", add_special_tokens=False)
+    special = sorted(tok.all_special_ids)[:1]
+    cuts = [len(ids)] + [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")][:3]
+    assert len(cuts) > 1 and special
+    cases = [(ids[:n] + special * (i % 2), SamplingParams(skip_special_tokens=bool(i % 3)))
+             for i, n in enumerate(cuts * 3)]
+
+    def states():
+        made = []
+        for i, (tokens, params) in enumerate(cases):
+            state = detokenizer.TextState([5, 6], params)
+            state.output_token_ids.extend(tokens[: len(tokens) // 2])
+            detokenizer.catch_up(tok, state)  # some text read already
+            state.output_token_ids.extend(tokens[len(tokens) // 2:])
+            made.append(state)
+        return made
+
+    one_by_one, together = states(), states()
+    for state in one_by_one:
+        detokenizer.catch_up(tok, state)
+    idle = detokenizer.TextState([5, 6], SamplingParams())
+    batches = []
+    batch = tok.decode_batch
+
+    def counted(windows, **kwargs):
+        batches.append(len(windows))
+        return batch(windows, **kwargs)
+
+    tok.decode_batch = counted
+    try:
+        detokenizer.catch_up_all(tok, together + together[:2] + [idle])
+    finally:
+        del tok.decode_batch
+    assert [(s.text, s.read_offset, s.prefix_offset) for s in together] == \
+        [(s.text, s.read_offset, s.prefix_offset) for s in one_by_one]
+    assert idle.text == "" and len(batches) == 2 and sum(batches) == 2 * len(cases)
+
+
 def test_a_stream_of_bytes_that_never_completes_a_character_costs_constant_decodes(model_dir):
     """A degenerate model's output of bytes that form no character (here 0xFF, never valid
     UTF-8) renders nothing new step after step; catching up each step decodes the newest

@@ -83,6 +83,7 @@ class OutputProcessor:
         touched: dict[str, _Request] = {}
         gaps: dict[str, list[float]] = {}
         to_abort: list[tuple[str, int]] = []
+        unread: list[TextState] = []  # decoded together after the loop
         for co in core_outputs:
             request = self.requests.get(co.request_id)
             if request is None:
@@ -107,7 +108,7 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = co.finish_reason, co.stop_reason
                 elif final_only:
                     continue  # nobody reads the text before the end: decode it once then
-                detokenizer.catch_up(self.tokenizer, state)
+                unread.append(state)
                 touched[co.request_id] = request
                 continue
             last = len(co.token_ids) - 1
@@ -126,6 +127,7 @@ class OutputProcessor:
                         to_abort.append((co.request_id, co.index))
                         break
             touched[co.request_id] = request
+        detokenizer.catch_up_all(self.tokenizer, unread)
         results = []
         for rid, request in touched.items():
             finished = request.finished

@@ -73,6 +73,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """``decode`` of each, in one call into ``tokenizers`` (which spreads it over the cores)."""
+        return self.backend.decode_batch([list(ids) for ids in batch], skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, **kwargs: Any

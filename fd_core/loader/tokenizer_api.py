@@ -15,6 +15,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    # Optional, not part of the protocol's check: ``decode_batch(batch, skip_special_tokens)``,
+    # ``decode`` of each list at once; the output processor uses it where present
+    # (``detokenizer.catch_up_all``).
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
         continue_final_message: bool = False, **kwargs: object
