@@ -22,7 +22,8 @@ def _runtime(name: str):
     return (paddle.to_tensor, lambda t: t.numpy(), few_rows.linear_paddle, "fd_core.runtimes.paddle.ops")
 
 
-def test_the_rule():
+def test_the_rule(monkeypatch):
+    monkeypatch.setattr(few_rows, "one_row", lambda: True)
     assert few_rows.weight_major(1, OUT, IN, True) and few_rows.weight_major(few_rows.WIDE_ROWS, OUT, IN, True)
     assert not few_rows.weight_major(few_rows.WIDE_ROWS + 1, OUT, IN, True)
     # a weight without many more outputs than inputs: only up to ROWS rows
@@ -31,6 +32,20 @@ def test_the_rule():
     assert not few_rows.weight_major(1, 1536, 576, True)  # fits the caches: x @ w.T is as fast
     assert not few_rows.weight_major(1, OUT, IN, False)  # 16-bit dtypes: not measured
     assert not few_rows.weight_major(0, OUT, IN, True)
+    # a CPU without AVX-512: one row stays x @ w.T, two and more go weight-major as before
+    monkeypatch.setattr(few_rows, "one_row", lambda: False)
+    assert not few_rows.weight_major(1, OUT, IN, True) and few_rows.weight_major(2, OUT, IN, True)
+
+
+def test_one_row_follows_the_cpu(monkeypatch):
+    """One row is taken weight-major only where the CPU's flags name AVX-512 (measured to gain
+    there, to lose on an AVX2-only CPU); no flags at all (not Linux): not."""
+    for flags, want in ((frozenset({"avx2", "avx512f", "fma"}), True), (frozenset({"avx2", "fma"}), False),
+                        (None, False)):
+        monkeypatch.setattr(few_rows, "cpu_flags", lambda flags=flags: flags)
+        few_rows.one_row.cache_clear()
+        assert few_rows.one_row() is want
+    few_rows.one_row.cache_clear()
 
 
 @pytest.mark.parametrize("runtime", ["torch", "paddle"])
@@ -45,6 +60,7 @@ def test_few_rows_give_the_product_without_the_reference(runtime, monkeypatch):
     calls = []
     real = reference.linear
     monkeypatch.setattr(reference, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(few_rows, "one_row", lambda: True)  # one row padded to two, whatever this CPU
     for shape in [(1, IN), (2, IN), (4, IN), (7, IN), (10, IN), (1, 1, IN), (11, IN)]:
         x = rng.standard_normal(shape).astype(np.float32)
         want = x.astype(np.float64) @ w.T.astype(np.float64) + b
@@ -54,6 +70,12 @@ def test_few_rows_give_the_product_without_the_reference(runtime, monkeypatch):
             np.testing.assert_allclose(got, want if bias is not None else want - b, rtol=0, atol=2e-5)
     # only the eleven-row product went to the reference (twice: with and without the bias)
     assert [tuple(s) for s in calls] == [(11, IN), (11, IN)]
+    monkeypatch.setattr(few_rows, "one_row", lambda: False)  # an AVX2-only CPU: one row to the reference
+    calls.clear()
+    x = rng.standard_normal((1, IN)).astype(np.float32)
+    np.testing.assert_allclose(host(linear(tensor(x), tensor(w))), x.astype(np.float64) @ w.T.astype(np.float64),
+                               rtol=0, atol=2e-5)
+    assert [tuple(s) for s in calls] == [(1, IN)]
 
 
 @pytest.mark.parametrize("runtime", ["torch", "paddle"])

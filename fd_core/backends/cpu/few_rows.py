@@ -26,12 +26,21 @@ orders are level or ``x @ w.T`` wins. So do square weights at 8 rows (4096x4096:
 to the slow matrix-vector path. Float32 only (the other dtypes run other kernels, not
 measured). The sums are the same products added in another order: float rounding apart, the
 result is the reference's. docs/PERFORMANCE.md has the model-level figures.
+
+One row only where the CPU has AVX-512. On an AVX2-only machine (AMD EPYC, 2 cores, same
+versions) one row of the head took 13.1-16.5 ms as ``x @ w.T`` against 18.3-19.5 padded
+weight-major, on both runtimes, while two to four rows still gained: 31.0 / 35.2 -> 17.9 / 16.8
+ms (torch), 34.5-37.8 / 65.0-66.6 -> 16.7-20.4 / 15.4-18.6 (Paddle). There MKL's one-row path
+reads the weight as fast as the weight-major product does, and the padding's second column
+costs. ``one_row`` decides from the CPU's flags, once a process.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from fd_core.host import cpu_flags
 from fd_core.interfaces import QuantizedWeight
 
 ROWS = 4  # at most this many rows of x
@@ -39,9 +48,17 @@ WIDE, WIDE_ROWS = 16, 10  # a weight with WIDE times more outputs than inputs: u
 MIN_BYTES = 32 << 20  # a weight at least this large (float32 bytes)
 
 
+@functools.cache
+def one_row() -> bool:
+    """Whether one row is taken weight-major (padded to two) on this CPU: where it has AVX-512,
+    the only kind of CPU that was measured to gain (the module's doc)."""
+    flags = cpu_flags()
+    return flags is not None and "avx512f" in flags
+
+
 def weight_major(rows: int, out_features: int, in_features: int, float32: bool) -> bool:
     """Whether a product of ``rows`` rows with an ``[out, in]`` weight is taken weight-major."""
-    if not float32 or rows < 1 or out_features * in_features * 4 < MIN_BYTES:
+    if not float32 or rows < 1 or out_features * in_features * 4 < MIN_BYTES or (rows == 1 and not one_row()):
         return False
     return rows <= (WIDE_ROWS if out_features >= WIDE * in_features else ROWS)
 

@@ -48,6 +48,7 @@ import paddle
 import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 
+from fd_core.host import cpu_flags as _cpu_flags  # the tests replace it here
 from fd_core.interfaces import QuantizedWeight
 from fd_core.runtimes.paddle import fused_moe
 from fd_core.runtimes.paddle import ops as reference
@@ -333,18 +334,6 @@ _CACHE_ENTRIES = 8  # keys kept in the file (several venvs or Paddle versions), 
 
 def _is_cpu(place: str) -> bool:
     return place.split(":")[0] == "cpu"
-
-
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's flags from /proc/cpuinfo; None where there is none (not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return None
 
 
 def _death(kernel: str, returncode: int, last: str = "") -> tuple[str, bool]:
