@@ -79,6 +79,9 @@ def test_capabilities_are_an_honest_manifest(fd_backend):
     assert caps.kv_cache_dtypes <= KNOWN_DTYPES | KV_QUANTIZED.keys(), sorted(caps.kv_cache_dtypes)
     assert caps.dtypes & caps.kv_cache_dtypes, "no dtype is both a compute and a KV-cache dtype"
     assert caps.quantization <= KNOWN_QUANTIZATION, sorted(caps.quantization)
+    assert caps.quantized_lm_head <= caps.quantization, (
+        f"quantized_lm_head {sorted(caps.quantized_lm_head)} names methods outside quantization "
+        f"{sorted(caps.quantization)}")
     if fd_backend.available:
         assert caps.device_count == p.device_count(), (
             f"Capabilities.device_count {caps.device_count} != device_count() {p.device_count()}")

@@ -74,6 +74,7 @@ def load_runner(config: EngineConfig, platform: Platform, registry: Any, rank: i
         quantize = LoadQuantization(config.quantization, config.quantization_group_size)
     with phase("loading weights") as step:
         model = build_model(model_config, ops, memory, config.max_model_len, config.dtype, tp)
+        model.quantized_lm_head = platform.capabilities().quantized_lm_head
         skip = model.other_ranks_weights()
         count = sum(name not in skip for name in checkpoint.weight_names())
         model.load_weights(progress(checkpoint.weights(skip=skip), count, "loading weights", "tensor"), quantize)

@@ -38,6 +38,10 @@ class Capabilities:
     # can size the KV cache from free device memory after a profiling forward
     # (--gpu-memory-utilization); without it the cache is sized by --kv-cache-memory-gb
     memory_profiling: bool = False
+    # quantization methods whose linear multiplies the dequantized weight exactly, activations
+    # unrounded: a checkpoint's LM head stored in one of them (a GGUF's Q8_0 token embedding)
+    # stays quantized instead of widening to the model's dtype
+    quantized_lm_head: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for f in fields(self):

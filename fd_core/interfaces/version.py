@@ -1,6 +1,6 @@
 """Contract version and the compatibility rule between a backend and the core."""
 
-API_VERSION = "1.21.0"
+API_VERSION = "1.22.0"
 # 1.1: Capabilities.kv_swap with Memory.allocate_host_kv_cache / swap_blocks (preemption by
 #      swap); Platform.default_max_num_batched_tokens (optional); Platform.communicator(...,
 #      rendezvous) for tensor parallelism
@@ -65,6 +65,9 @@ API_VERSION = "1.21.0"
 #      same sequences one position further, each fed its drawn token), so the host builds and
 #      uploads nothing for a round's later steps; SamplingBatch.needs_suppression, beside
 #      needs_penalties (whether a row suppresses tokens), which cuda's sampler reads
+# 1.22: Capabilities.quantized_lm_head (optional, empty by default): the quantization methods
+#      whose linear multiplies the dequantized weight exactly with unrounded activations, so a
+#      checkpoint's quantized LM head (a GGUF's Q8_0 token embedding) stays quantized
 
 
 def _parse(version: str) -> tuple[int, int, int]:

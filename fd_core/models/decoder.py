@@ -198,6 +198,8 @@ class DecoderForCausalLM:
         self.lm_head: Tensor = None
         self.norm: Tensor = None
         self.vocab_rows: Tensor | None = None  # int64 [V, 1]: a token id's row in this rank's embedding
+        # methods whose quantized LM head the backend multiplies exactly (Capabilities.quantized_lm_head)
+        self.quantized_lm_head: frozenset[str] = frozenset()
         self._dequantized: Counter[str] = Counter()  # quantized weights load_weights dequantized, by method
         self._unfused: Counter[str] = Counter()  # quantized parts fused as floats, by method
 
@@ -257,11 +259,18 @@ class DecoderForCausalLM:
         # The embedding and the LM head stay in the model's dtype whatever the checkpoint stores
         # (as FastDeploy and vLLM keep them): a lookup gathers rows, and the logits decide every
         # token (with bfloat16 activations for the head, SmolLM2's greedy text leaves
-        # transformers' at margins of 0.13 where the layers alone stay within 0.003).
-        embed = as_float(host.pop("model.embed_tokens.weight"))
+        # transformers' at margins of 0.13 where the layers alone stay within 0.003). A backend
+        # that multiplies a quantized head exactly (Capabilities.quantized_lm_head) reads the
+        # stored head instead: SmolLM2's Q8_0 head is 30 MB a token against 113 MB in float32.
+        stored = host.pop("model.embed_tokens.weight")
+        embed = as_float(stored)
         self.embed = up(tp.vocab_part(embed, lookup_row=True))
         lm = host.pop("lm_head.weight", None)
-        if lm is None and not tp.enabled:
+        head = stored if lm is None else lm
+        if (not tp.enabled and isinstance(head, QuantizedWeight) and head.method in self.quantized_lm_head
+                and self._keeps(head)):
+            self.lm_head = up(head)
+        elif lm is None and not tp.enabled:
             self.lm_head = self.embed  # tied: one tensor
         else:
             self.lm_head = up(tp.vocab_part(embed if lm is None else as_float(lm), lookup_row=False))

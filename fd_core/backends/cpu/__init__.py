@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from fd_core.backends.cpu import blocks
 from fd_core.host import usable_cpus
 from fd_core.interfaces import Capabilities
 from fd_core.plugins import hookimpl
 from fd_core.plugins.registry import runtime_installed
 from fd_core.runtimes import HOST_DTYPES, reference_capabilities
 
-FD_API_VERSION = "1.11"  # the reference sample adds logit biases (1.11) and applies grammar bitmasks (1.10), moe's expert_offset (1.7), quantized KV caches (1.6), pack_linear (1.5)
+FD_API_VERSION = "1.22"  # a quantized LM head (1.22), the reference sample adds logit biases (1.11) and applies grammar bitmasks (1.10), moe's expert_offset (1.7), quantized KV caches (1.6), pack_linear (1.5)
 
 
 class CpuPlatform:
@@ -73,6 +74,8 @@ class CpuPlatform:
         caps = dataclasses.replace(caps, kv_cache_dtypes=caps.kv_cache_dtypes | QUANTIZED_KV_CACHE)
         if self.runtime == "torch":  # wint8/wint4 through torch's packed kernels
             caps = dataclasses.replace(caps, quantization=TORCH_QUANTIZATION)
+            if blocks.wanted():  # AVX2's block kernels: float32 activations, weights exact
+                caps = dataclasses.replace(caps, quantized_lm_head=frozenset({"wint8"}))
         return caps
 
     def memory(self, device_index: int = 0):

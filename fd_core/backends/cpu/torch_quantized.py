@@ -13,6 +13,9 @@ Layouts made once at load by ``pack_linear``:
 
 - ``cpu_int4pack``: wint4 with a group of 32, 64, 128 or 256 and ``out`` a multiple of 16.
 - ``cpu_int8pack``: wint8 with one scale per row (``group_size`` -1 or ``in``).
+- ``cpu_blocks_q4_1`` / ``cpu_blocks_q8_0``: on a CPU with AVX2 and no AVX-512, where ATen's int4
+  kernel is not vectorised, wint4 and wint8 in groups of a multiple of 32 (GGUF's Q4_1 and Q8_0)
+  through ``blocks.py``'s kernels, with float32 activations.
 - ``cpu_bf16``: anything else (group-wise wint8 such as GGUF's Q8_0 and Q6_K), dequantized once to
   bfloat16 — half float32's bytes, no per-call dequantization.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fd_core.backends.cpu import blocks
 from fd_core.interfaces import QuantizedWeight
 from fd_core.runtimes.torch.ops import dequantize
 from fd_core.runtimes.torch.ops import linear as reference_linear
@@ -31,6 +35,8 @@ _BF16 = torch.bfloat16
 
 
 def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
+    if blocks.fits(weight) and blocks.usable():
+        return blocks.pack(weight)
     out_features, in_features = weight.shape
     group = in_features if weight.group_size == -1 else weight.group_size
     if weight.method == "wint4" and group in INT4_GROUPS and out_features % 16 == 0 and in_features % group == 0:
@@ -49,6 +55,9 @@ def pack_linear(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.layout in blocks.FUNCTIONS:
+        y = blocks.linear(x, weight)
+        return y if bias is None else y + bias.to(x.dtype)
     h = x.to(_BF16)
     if weight.layout == "cpu_int4pack":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, weight.qweight, weight.group_size, weight.scales)
