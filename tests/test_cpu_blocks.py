@@ -51,6 +51,22 @@ def test_block_product_is_the_dequantized_weights(method, group, zeros):
     assert blocks.linear(torch.randn(2, 3, 256), packed).shape == (2, 3, 48)
 
 
+@needs_kernels
+@pytest.mark.parametrize("method", ["wint4", "wint8"])
+def test_a_wide_input_goes_in_slices(method):
+    """1,056 inputs (33 blocks): eight rows take the input in slices of 16 blocks, the last one
+    block long; three rows take it whole."""
+    from fd_core.runtimes.torch.ops import dequantize
+
+    weight = _weight(method, 40, 1056, 32, True, seed=1)
+    packed, dense = blocks.pack(weight), dequantize(weight, torch.float64)
+    for rows in (3, 8, 9, 16, 17):
+        x = torch.randn(rows, 1056, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ dense.T
+        scale = (x.double().abs() @ dense.abs().T).max().item()
+        assert (blocks.linear(x, packed).double() - want).abs().max().item() <= 1e-6 * scale, (method, rows)
+
+
 def test_the_rule(monkeypatch):
     monkeypatch.delenv("FD_CPU_BLOCKS", raising=False)
     monkeypatch.setattr(blocks, "compiler", lambda: "/usr/bin/c++")

@@ -98,9 +98,13 @@ def _quantized(method: str, out_f: int, in_f: int, group: int, zeros: bool, rng)
     ("wint4", 16, True, "cpu_bf16"),  # a group the int4 kernel does not take
 ])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_torch_packed_linear_matches_the_spec(method, group, zeros, layout, rows):
+def test_torch_packed_linear_matches_the_spec(method, group, zeros, layout, rows, monkeypatch):
+    """ATen's packed kernels (tests/test_cpu_blocks.py tests the AVX2 block kernels, which take
+    groups of 32 and 128 instead on a CPU without AVX-512)."""
     torch = pytest.importorskip("torch")
-    from fd_core.backends.cpu import torch_quantized
+    from fd_core.backends.cpu import blocks, torch_quantized
+
+    monkeypatch.setattr(blocks, "usable", lambda: False)
 
     rng = np.random.default_rng(rows)
     weight = _quantized(method, 96, 256, group, zeros, rng)
@@ -191,8 +195,11 @@ def test_load_time_quantization_keeps_the_float_models_logits(tmp_path):
     args = dict(model=model, device="cpu", runtime="torch", max_model_len=64, num_kv_blocks=32)
     prompt = list(range(3, 40))
     tokens, want = fd_greedy_logits(LLM(**args), prompt, 4)
+    from fd_core.backends.cpu import blocks
+
+    int4 = "cpu_blocks_q4_1" if blocks.usable() else "cpu_int4pack"  # AVX2 without AVX-512: the block kernels
     for method, group, layout, tolerance in [("wint8", None, "cpu_int8pack", 0.03),
-                                             ("wint4", 32, "cpu_int4pack", 0.25)]:
+                                             ("wint4", 32, int4, 0.25)]:
         llm = LLM(quantization=method, quantization_group_size=group, **args)
         runner = llm.engine.runner
         layer = runner.model.layers[0]
